@@ -1,0 +1,1 @@
+"""Host side: NumPy and Python only, nothing traced. Allocation, sharing, caching, scheduling."""

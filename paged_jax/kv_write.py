@@ -1,0 +1,39 @@
+"""Writes this step's keys and values into the paged pool. Pure; the caller donates the pool."""
+
+from __future__ import annotations
+
+import functools
+
+import chex
+import jax
+
+from paged_jax.state import KVPool
+
+
+@functools.partial(jax.jit, static_argnames=("layer",), donate_argnames=("pool",))
+def write_kv(pool: KVPool, layer: int, k: jax.Array, v: jax.Array, slots: jax.Array) -> KVPool:
+  """Scatters K/V of `num_tokens` tokens into layer `layer` of the pool.
+
+  Args:
+    pool: KVPool; donated, do not reuse it.
+    layer: static layer index.
+    k: [num_tokens, num_kv_heads, head_dim], cast to the pool's dtype.
+    v: same as `k`.
+    slots: i32[num_tokens] flat slot `page * page_size + offset` per token. Padding tokens point
+      into NULL_PAGE; never use -1 (JAX wraps it to the last slot of the pool).
+
+  Returns:
+    The updated pool.
+  """
+  chex.assert_equal_shape([k, v])
+  chex.assert_shape(k, (slots.shape[0], pool.num_kv_heads, pool.head_dim))
+  if not 0 <= layer < pool.num_layers:
+    raise ValueError(f"layer={layer} is outside [0, num_layers={pool.num_layers})")
+  return pool.replace(k=write_kv_layer(pool.k, layer, k, slots),
+                      v=write_kv_layer(pool.v, layer, v, slots))
+
+
+def write_kv_layer(pages: jax.Array, layer: int, x: jax.Array, slots: jax.Array) -> jax.Array:
+  """`pages[layer]` with x[t] stored at slots[t]; pages: [num_layers, num_pages, page_size, K, D]."""
+  page_size = pages.shape[2]
+  return pages.at[layer, slots // page_size, slots % page_size].set(x.astype(pages.dtype))

@@ -1,0 +1,113 @@
+"""Device-side state: the paged KV pool and one step's attention metadata.
+
+Both are frozen `flax.struct` pytrees; transitions return new values (`pool.replace(k=...)`).
+This module fixes the pool layout once for the whole project:
+
+  k, v: dtype[num_layers, num_pages, page_size, num_kv_heads, head_dim]
+
+Page `NULL_PAGE` (0) is never allocated. Padding rows of a block table, and write slots of padding
+tokens, point into it; its contents are garbage on purpose, and every reader masks by `seq_lens`.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+NULL_PAGE = 0
+
+
+@flax.struct.dataclass
+class KVPool:
+  """Paged K/V for every layer.
+
+  Attributes:
+    k: dtype[num_layers, num_pages, page_size, num_kv_heads, head_dim].
+    v: same shape and dtype as `k`.
+  """
+  k: jax.Array
+  v: jax.Array
+
+  @classmethod
+  def create(cls, *, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
+             head_dim: int, dtype=jnp.float32) -> "KVPool":
+    """A zero-filled pool. `num_pages` counts NULL_PAGE, so `num_pages - 1` are usable."""
+    for name, value in (("num_layers", num_layers), ("num_pages", num_pages),
+                        ("page_size", page_size), ("num_kv_heads", num_kv_heads),
+                        ("head_dim", head_dim)):
+      if value < 1:
+        raise ValueError(f"{name}={value} must be >= 1")
+    if num_pages < 2:
+      raise ValueError(f"num_pages={num_pages} must be >= 2 (page 0 is NULL_PAGE)")
+    shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+    return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+  # Derived from the shape, never stored twice.
+  @property
+  def num_layers(self) -> int:
+    return self.k.shape[0]
+
+  @property
+  def num_pages(self) -> int:
+    return self.k.shape[1]
+
+  @property
+  def page_size(self) -> int:
+    return self.k.shape[2]
+
+  @property
+  def num_kv_heads(self) -> int:
+    return self.k.shape[3]
+
+  @property
+  def head_dim(self) -> int:
+    return self.k.shape[4]
+
+  @property
+  def dtype(self):
+    return self.k.dtype
+
+  @property
+  def bytes_per_token(self) -> int:
+    """K and V bytes one token takes across all layers (the seeds' 2 x L x Hkv x D x b)."""
+    return kv_cache_bytes(num_layers=self.num_layers, num_tokens=1,
+                          num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                          bytes_per_element=jnp.dtype(self.dtype).itemsize)
+
+
+@flax.struct.dataclass
+class AttentionMetadata:
+  """One step's metadata for a ragged batch that may mix prefill chunks and decode rows.
+
+  Queries of all sequences are concatenated along one token axis; sequence `b` owns query tokens
+  `cu_q_lens[b]:cu_q_lens[b+1]`, and its query `i` sits at position
+  `seq_lens[b] - q_len[b] + i` (causal). Decode rows have `q_len == 1`.
+
+  Attributes:
+    block_tables: i32[num_seqs, max_pages_per_seq]; unused entries are NULL_PAGE.
+    seq_lens: i32[num_seqs] tokens in cache *including* this step's; 0 marks a padding row.
+    cu_q_lens: i32[num_seqs + 1] cumulative query lengths, `cu_q_lens[0] == 0`.
+    slots: i32[num_tokens] flat write slot (`page * page_size + offset`) of each query token;
+      padding tokens point into NULL_PAGE.
+    max_q_len: static upper bound on any sequence's q_len (1 for pure decode); fixes shapes.
+  """
+  block_tables: jax.Array
+  seq_lens: jax.Array
+  cu_q_lens: jax.Array
+  slots: jax.Array
+  max_q_len: int = flax.struct.field(pytree_node=False, default=1)
+
+  @property
+  def num_seqs(self) -> int:
+    return self.block_tables.shape[0]
+
+  @property
+  def num_tokens(self) -> int:
+    return self.slots.shape[0]
+
+
+def kv_cache_bytes(*, num_layers: int, num_tokens: int, num_kv_heads: int, head_dim: int,
+                   bytes_per_element: int) -> int:
+  """KV bytes ~= 2 x L x T x Hkv x D x b (keys plus values; no padding or metadata)."""
+  return 2 * num_layers * num_tokens * num_kv_heads * head_dim * bytes_per_element

@@ -1,0 +1,133 @@
+"""Tiny fixtures for tests, benchmarks and notebooks: random paged inputs with poisoned pages.
+
+Not imported by the library itself.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax.state import NULL_PAGE
+
+
+class PagedInputs(NamedTuple):
+  """Arguments of `paged_attention` (and its reference), in that order.
+
+  q: dtype[num_tokens, num_q_heads, head_dim]; k_pages, v_pages: dtype[num_pages, page_size,
+  num_kv_heads, head_dim]; block_tables: i32[num_seqs, max_pages_per_seq]; seq_lens:
+  i32[num_seqs]; cu_q_lens: i32[num_seqs + 1].
+  """
+  q: jax.Array
+  k_pages: jax.Array
+  v_pages: jax.Array
+  block_tables: jax.Array
+  seq_lens: jax.Array
+  cu_q_lens: jax.Array
+
+
+def random_paged_inputs(seed: int, seq_lens: Sequence[int], *, q_lens: Sequence[int] | None = None,
+                        page_size: int = 4, num_kv_heads: int = 2, q_per_kv: int = 2,
+                        head_dim: int = 16, dtype=jnp.float32, shuffle_pages: bool = True,
+                        poison: bool = True, num_free_pages: int = 3,
+                        extra_table_columns: int = 1, pad_tokens: int = 0) -> PagedInputs:
+  """Random K/V written into pages through random block tables.
+
+  Args:
+    seed: NumPy seed.
+    seq_lens: keys per sequence (this step's included).
+    q_lens: queries per sequence (default 1 each, i.e. decode); q_len <= seq_len.
+    shuffle_pages: a random permutation of page ids, so no test can depend on page order.
+    poison: NaN in NULL_PAGE, in every free page and in every slot past a sequence's length.
+    num_free_pages: pages no sequence uses.
+    extra_table_columns: NULL_PAGE columns beyond the longest sequence's pages.
+    pad_tokens: padding query tokens appended after the last sequence's queries.
+  """
+  rng = np.random.default_rng(seed)
+  seq_lens = np.asarray(seq_lens, np.int32)
+  q_lens = np.ones_like(seq_lens) if q_lens is None else np.asarray(q_lens, np.int32)
+  if np.any(q_lens > seq_lens):
+    raise ValueError(f"q_lens={q_lens.tolist()} must not exceed seq_lens={seq_lens.tolist()}")
+  pages_per_seq = -(-seq_lens // page_size)
+  num_live = int(pages_per_seq.sum())
+  num_pages = 1 + num_live + num_free_pages
+  ids = np.arange(1, num_pages)
+  if shuffle_pages:
+    ids = np.random.default_rng(seed + 1).permutation(ids)   # own stream: same K/V either way
+  max_pages = int(pages_per_seq.max(initial=0)) + extra_table_columns
+  tables = np.full((len(seq_lens), max(max_pages, 1)), NULL_PAGE, np.int32)
+  shape = (num_pages, page_size, num_kv_heads, head_dim)
+  fill = np.nan if poison else 0.0
+  k_pages = np.full(shape, fill, np.float32)
+  v_pages = np.full(shape, fill, np.float32)
+  next_id = 0
+  for b, (n, p) in enumerate(zip(seq_lens, pages_per_seq)):
+    tables[b, :p] = ids[next_id:next_id + p]
+    next_id += p
+    for j in range(p):
+      used = min(page_size, n - j * page_size)
+      page = tables[b, j]
+      k_pages[page, :used] = rng.standard_normal((used, num_kv_heads, head_dim))
+      v_pages[page, :used] = rng.standard_normal((used, num_kv_heads, head_dim))
+      if not poison:
+        k_pages[page, used:] = rng.standard_normal((page_size - used, num_kv_heads, head_dim))
+        v_pages[page, used:] = rng.standard_normal((page_size - used, num_kv_heads, head_dim))
+  num_tokens = int(q_lens.sum()) + pad_tokens
+  q = rng.standard_normal((num_tokens, num_kv_heads * q_per_kv, head_dim)).astype(np.float32)
+  if poison and pad_tokens:
+    q[-pad_tokens:] = np.nan
+  cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+  return PagedInputs(jnp.asarray(q, dtype), jnp.asarray(k_pages, dtype), jnp.asarray(v_pages, dtype),
+                     jnp.asarray(tables), jnp.asarray(seq_lens), jnp.asarray(cu_q_lens))
+
+
+def pages_to_dense(pages, block_tables, seq_lens):
+  """Contiguous K (or V) [num_seqs, max_pages_per_seq * page_size, K, D]; slots past a sequence's
+  length are zero, so the result can feed any dense attention without NaN."""
+  pages = np.asarray(pages)
+  tables = np.asarray(block_tables)
+  dense = pages[tables].reshape(tables.shape[0], -1, *pages.shape[2:]).copy()
+  for b, n in enumerate(np.asarray(seq_lens)):
+    dense[b, n:] = 0
+  return dense
+
+
+def paged_from_dense(k, v, seq_lens, page_size: int, *, seed: int = 0, poison: bool = True,
+                     num_free_pages: int = 0):
+  """Scatters contiguous K/V into shuffled pages (vectorised; for benchmark-sized inputs).
+
+  Args:
+    k: [num_seqs, max_kv_len, num_kv_heads, head_dim] NumPy array; v the same.
+    seq_lens: keys per sequence.
+
+  Returns:
+    (k_pages, v_pages, block_tables) as NumPy arrays; block_tables i32[num_seqs,
+    ceil(max_kv_len / page_size)], NULL_PAGE past each sequence's pages; NaN in NULL_PAGE, free
+    pages and slots past each length when `poison`.
+  """
+  k, v = np.asarray(k), np.asarray(v)
+  num_seqs, max_kv_len = k.shape[:2]
+  seq_lens = np.asarray(seq_lens)
+  max_pages = -(-max_kv_len // page_size)
+  pad = max_pages * page_size - max_kv_len
+  widths = ((0, 0), (0, pad), (0, 0), (0, 0))
+  kp = np.pad(k, widths).reshape(num_seqs, max_pages, page_size, *k.shape[2:])
+  vp = np.pad(v, widths).reshape(num_seqs, max_pages, page_size, *v.shape[2:])
+  if poison:
+    stale = np.arange(max_pages * page_size).reshape(max_pages, page_size)[None] >= seq_lens[:, None, None]
+    kp = np.where(stale[..., None, None], np.nan, kp).astype(k.dtype)
+    vp = np.where(stale[..., None, None], np.nan, vp).astype(v.dtype)
+  live = np.arange(max_pages)[None, :] < -(-seq_lens[:, None] // page_size)
+  num_pages = 1 + int(live.sum()) + num_free_pages
+  ids = np.random.default_rng(seed).permutation(np.arange(1, num_pages))[:int(live.sum())]
+  tables = np.full((num_seqs, max_pages), NULL_PAGE, np.int32)
+  tables[live] = ids
+  fill = np.nan if poison else 0
+  k_pages = np.full((num_pages,) + kp.shape[2:], fill, k.dtype)
+  v_pages = np.full((num_pages,) + vp.shape[2:], fill, v.dtype)
+  k_pages[tables[live]] = kp[live]
+  v_pages[tables[live]] = vp[live]
+  return k_pages, v_pages, tables

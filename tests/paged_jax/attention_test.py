@@ -1,0 +1,251 @@
+"""Exactness of every attention path against `dense_attention`, NaN-poisoned pools, seeds' examples."""
+
+import math
+
+from absl.testing import absltest, parameterized
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax import attention, testing
+from paged_jax.attention import Summary
+
+TOL = {  # tokamax's table; the issue's bounds.
+    jnp.float32: dict(atol=1e-5, rtol=1e-5),
+    jnp.bfloat16: dict(atol=2e-2, rtol=2e-2),
+}
+
+
+# Jitted once per shape, so the reference does not dispatch op by op (most of a test's time).
+_reference = jax.jit(attention.paged_attention_reference,
+                     static_argnames=("scale", "sliding_window", "soft_cap", "max_q_len"))
+
+# Every page size and head layout in f32; bf16 on a spread of them (interpret-sized shapes keep the
+# suite fast).
+_DECODE_CASES = [dict(page_size=p, heads=h, dtype=jnp.float32)
+                 for p in (1, 4, 16, 32) for h in ((4, 4), (4, 2), (4, 1))] + [
+                     dict(page_size=4, heads=(4, 2), dtype=jnp.bfloat16),
+                     dict(page_size=16, heads=(4, 1), dtype=jnp.bfloat16),
+                     dict(page_size=1, heads=(4, 4), dtype=jnp.bfloat16)]
+_RAGGED_CASES = [dict(page_size=1, dtype=jnp.float32, window_cap=(None, None)),
+                 dict(page_size=4, dtype=jnp.float32, window_cap=(5, None)),
+                 dict(page_size=4, dtype=jnp.float32, window_cap=(None, 3.0)),
+                 dict(page_size=16, dtype=jnp.float32, window_cap=(7, 2.5)),
+                 dict(page_size=4, dtype=jnp.bfloat16, window_cap=(7, 2.5))]
+
+
+def _lens_around(page_size):
+  """0, 1, page-1, page, page+1 and a long one (deduplicated, sorted)."""
+  return sorted({0, 1, max(page_size - 1, 1), page_size, page_size + 1, 3 * page_size + 2})
+
+
+class PagedAttentionTest(parameterized.TestCase):
+
+  @parameterized.parameters(*_DECODE_CASES)
+  def test_decode_matches_dense(self, page_size, heads, dtype):
+    num_q_heads, num_kv_heads = heads
+    seq_lens = _lens_around(page_size)
+    # A zero-length row has no query either (q_len <= kv_len).
+    q_lens = [min(1, n) for n in seq_lens]
+    inp = testing.random_paged_inputs(page_size, seq_lens, q_lens=q_lens, page_size=page_size,
+                                      num_kv_heads=num_kv_heads,
+                                      q_per_kv=num_q_heads // num_kv_heads, dtype=dtype,
+                                      pad_tokens=1)
+    ref = _reference(*inp)
+    # pages_per_block=1 forces one merge per page: the merge rule is what is under test.
+    for ppb in (1, None):
+      out = attention.paged_attention(*inp, max_q_len=1, pages_per_block=ppb)
+      self.assertFalse(np.isnan(np.asarray(out, np.float32)).any())
+      chex.assert_trees_all_close(out.astype(jnp.float32), ref.astype(jnp.float32), **TOL[dtype])
+
+  @parameterized.parameters(*_RAGGED_CASES)
+  def test_ragged_prefill_and_decode_mixed(self, page_size, dtype, window_cap):
+    window, cap = window_cap
+    seq_lens = [page_size + 1, 1, 3 * page_size + 2, 9, 0]
+    q_lens = [page_size + 1, 1, 5, 1, 0]   # full prefill, decode, chunk after a prefix, ...
+    inp = testing.random_paged_inputs(7, seq_lens, q_lens=q_lens, page_size=page_size,
+                                      num_kv_heads=2, q_per_kv=2, dtype=dtype, pad_tokens=3)
+    kw = dict(sliding_window=window, soft_cap=cap, scale=0.3)
+    ref = _reference(*inp, **kw)
+    out = attention.paged_attention(*inp, pages_per_block=2, **kw)
+    chex.assert_trees_all_close(out.astype(jnp.float32), ref.astype(jnp.float32), **TOL[dtype])
+    self.assertFalse(np.isnan(np.asarray(out, np.float32)).any())
+    # Padding tokens (after cu_q_lens[-1]) and the zero-length row get zeros.
+    np.testing.assert_array_equal(np.asarray(out[-3:], np.float32), 0)
+
+  def test_contiguous_path_matches_dense(self):
+    inp = testing.random_paged_inputs(3, [5, 17, 1], q_lens=[5, 2, 1], page_size=4, poison=False)
+    k = jnp.asarray(testing.pages_to_dense(inp.k_pages, inp.block_tables, inp.seq_lens))
+    v = jnp.asarray(testing.pages_to_dense(inp.v_pages, inp.block_tables, inp.seq_lens))
+    ref = attention.dense_attention(inp.q, k, v, inp.cu_q_lens, inp.seq_lens)
+    out = attention.contiguous_attention(inp.q, k, v, inp.seq_lens, inp.cu_q_lens, block_tokens=4)
+    chex.assert_trees_all_close(out, ref, **TOL[jnp.float32])
+
+  def test_output_does_not_depend_on_page_placement(self):
+    a = testing.random_paged_inputs(11, [9, 14], page_size=4, shuffle_pages=False)
+    b = testing.random_paged_inputs(11, [9, 14], page_size=4, shuffle_pages=True)
+    # Same random draws, different physical pages: the gathered K/V must agree, and so the output.
+    np.testing.assert_array_equal(
+        testing.pages_to_dense(a.k_pages, a.block_tables, a.seq_lens),
+        testing.pages_to_dense(b.k_pages, b.block_tables, b.seq_lens))
+    self.assertFalse(np.array_equal(np.asarray(a.block_tables), np.asarray(b.block_tables)))
+    chex.assert_trees_all_close(attention.paged_attention(*a, pages_per_block=1),
+                                attention.paged_attention(*b, pages_per_block=1), atol=1e-6)
+
+  def test_nan_in_stale_slot_of_last_page_is_not_read(self):
+    # The failure JAX's GPU kernel has: NaN in V past the length, inside the last page.
+    inp = testing.random_paged_inputs(5, [6], page_size=4, poison=False)
+    page = int(inp.block_tables[0, 1])
+    v_pages = inp.v_pages.at[page, 2:].set(jnp.nan)
+    k_pages = inp.k_pages.at[page, 3].set(jnp.inf)
+    out = attention.paged_attention(inp.q, k_pages, v_pages, *inp[3:])
+    ref = _reference(*inp)
+    chex.assert_trees_all_close(out, ref, **TOL[jnp.float32])
+
+  def test_return_lse_and_merge_states_recombine_a_split(self):
+    # Attention over keys [0, 12) equals the merge of attention over [0, 8) and [8, 12).
+    inp = testing.random_paged_inputs(2, [12, 12], page_size=4, poison=False)
+    q = inp.q
+    full = _reference(*inp)
+    k = jnp.asarray(testing.pages_to_dense(inp.k_pages, inp.block_tables, inp.seq_lens))
+    v = jnp.asarray(testing.pages_to_dense(inp.v_pages, inp.block_tables, inp.seq_lens))
+    cu = inp.cu_q_lens
+    # The first part is a non-causal view: give it kv_len 8 and pretend the query is at 8.
+    o_a, lse_a = attention.contiguous_attention(
+        q, k[:, :8], v[:, :8], jnp.array([8, 8], jnp.int32), cu, return_lse=True)
+    # The second part sees keys 8..11; shift them to positions 0..3 with kv_len 4.
+    o_b, lse_b = attention.contiguous_attention(
+        q, k[:, 8:], v[:, 8:], jnp.array([4, 4], jnp.int32), cu, return_lse=True)
+    o, lse = attention.merge_states(o_a, lse_a, o_b, lse_b)
+    chex.assert_trees_all_close(o, full, **TOL[jnp.float32])
+    _, lse_full = attention.paged_attention(*inp, return_lse=True)
+    chex.assert_trees_all_close(lse, lse_full, **TOL[jnp.float32])
+
+  def test_merge_states_of_empty_states_is_zero_not_nan(self):
+    o = jnp.full((3, 4), 7.0)
+    lse = jnp.full((3,), -jnp.inf)
+    merged, merged_lse = attention.merge_states(o, lse, o, lse)
+    np.testing.assert_array_equal(np.asarray(merged), 0)
+    self.assertTrue(np.all(np.isneginf(np.asarray(merged_lse))))
+    # One empty side leaves the other unchanged.
+    o_b, lse_b = jnp.arange(12.0).reshape(3, 4), jnp.array([0.5, -1.0, 2.0])
+    merged, merged_lse = attention.merge_states(o, lse, o_b, lse_b)
+    chex.assert_trees_all_close(merged, o_b, atol=1e-6)
+    chex.assert_trees_all_close(merged_lse, lse_b, atol=1e-6)
+
+
+class SeedExamplesTest(absltest.TestCase):
+  """The worked numbers of the seeds (section 10 and 11 of the first document), exactly."""
+
+  q = jnp.array([[math.sqrt(2), 0.0]])
+  K = jnp.array([[0.0, 1.0], [math.log(2), 0.0], [math.log(3), 1.0], [math.log(4), -1.0]])
+  V = jnp.array([[1.0, 0.0], [0.0, 2.0], [3.0, 1.0], [2.0, 4.0]])
+
+  def test_four_token_example_dense(self):
+    s = (self.q @ self.K.T / math.sqrt(2))[0]
+    chex.assert_trees_all_close(jnp.exp(s), jnp.array([1.0, 2, 3, 4]), atol=1e-6)
+    out = attention.dense_attention(self.q[None].reshape(1, 1, 2), self.K[None, :, None],
+                                    self.V[None, :, None], jnp.array([0, 1], jnp.int32),
+                                    jnp.array([4], jnp.int32))
+    chex.assert_trees_all_close(out[0, 0], jnp.array([1.8, 2.3]), atol=1e-6)
+
+  def test_two_pages_9_and_2(self):
+    # Two tokens per page; tokens 0-1 in physical page 9, tokens 2-3 in physical page 2.
+    k_pages = jnp.full((10, 2, 1, 2), jnp.nan).at[9, :, 0].set(self.K[:2]).at[2, :, 0].set(self.K[2:])
+    v_pages = jnp.full((10, 2, 1, 2), jnp.nan).at[9, :, 0].set(self.V[:2]).at[2, :, 0].set(self.V[2:])
+    args = (self.q.reshape(1, 1, 2), k_pages, v_pages, jnp.array([[9, 2]], jnp.int32),
+            jnp.array([4], jnp.int32), jnp.array([0, 1], jnp.int32))
+    out = attention.paged_attention(*args, pages_per_block=1)
+    chex.assert_trees_all_close(out[0, 0], jnp.array([1.8, 2.3]), atol=1e-6)
+
+  def test_page_sums_and_stable_merge(self):
+    s = (self.q @ self.K.T / math.sqrt(2))[0]
+    a = attention.block_summary(s[:2], self.V[:2])
+    b = attention.block_summary(s[2:], self.V[2:])
+    # Unshifted sums Z and N of section 10: Z = z * e^m, N = u * e^m.
+    chex.assert_trees_all_close(a.z * jnp.exp(a.m), 3.0, atol=1e-6)
+    chex.assert_trees_all_close(a.u * jnp.exp(a.m), jnp.array([1.0, 4.0]), atol=1e-6)
+    chex.assert_trees_all_close(b.z * jnp.exp(b.m), 7.0, atol=1e-5)
+    chex.assert_trees_all_close(b.u * jnp.exp(b.m), jnp.array([17.0, 19.0]), atol=1e-5)
+    # Shifted summaries of section 11.
+    chex.assert_trees_all_close(a, Summary(jnp.float32(math.log(2)), jnp.float32(1.5),
+                                           jnp.array([0.5, 2.0])), atol=1e-6)
+    chex.assert_trees_all_close(b, Summary(jnp.float32(math.log(4)), jnp.float32(1.75),
+                                           jnp.array([4.25, 4.75])), atol=1e-6)
+    merged = attention.merge_summaries(a, b)
+    chex.assert_trees_all_close(merged.z, 2.5, atol=1e-6)
+    chex.assert_trees_all_close(merged.u, jnp.array([4.5, 5.75]), atol=1e-6)
+    o, _ = attention.finalize(merged)
+    chex.assert_trees_all_close(o, jnp.array([1.8, 2.3]), atol=1e-6)
+
+
+class CompileOnceTest(absltest.TestCase):
+
+  def test_traces_once_per_shape_bucket(self):
+    chex.clear_trace_counter()
+
+    @jax.jit
+    @chex.assert_max_traces(n=2)
+    def step(*args):
+      return attention.paged_attention(*args, max_q_len=1, pages_per_block=2)
+
+    for seed, lens in enumerate(([1, 5, 9], [3, 12, 2], [11, 11, 0])):   # one bucket: 3 seqs
+      q_lens = [min(1, n) for n in lens]
+      inp = testing.random_paged_inputs(seed, lens, q_lens=q_lens, pad_tokens=3 - sum(q_lens),
+                                        page_size=4, num_free_pages=2,
+                                        extra_table_columns=4 - -(-max(lens) // 4))
+      self.assertEqual(inp.block_tables.shape, (3, 4))
+      # Pools of one bucket have the same num_pages: pad every pool to 12 pages.
+      pad = 12 - inp.k_pages.shape[0]
+      inp = inp._replace(k_pages=jnp.pad(inp.k_pages, ((0, pad), (0, 0), (0, 0), (0, 0))),
+                         v_pages=jnp.pad(inp.v_pages, ((0, pad), (0, 0), (0, 0), (0, 0))))
+      step(*inp).block_until_ready()
+    inp = testing.random_paged_inputs(0, [1, 2, 3, 4, 5], page_size=4)   # second bucket
+    step(*inp).block_until_ready()
+    with self.assertRaises(AssertionError):   # a third shape would be one trace too many
+      step(*testing.random_paged_inputs(0, [1, 2], page_size=4)).block_until_ready()
+
+
+class BadInputTest(parameterized.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.inp = testing.random_paged_inputs(0, [5, 9], q_lens=[2, 1], page_size=4)
+
+  def _call(self, **changes):
+    inp = self.inp._replace(**changes)
+    attention.validate_attention_inputs(*inp)
+
+  def test_valid_inputs_pass(self):
+    self._call()
+
+  @parameterized.named_parameters(
+      ("heads", "num_q_heads=3 must be divisible by num_kv_heads=2",
+       lambda i: dict(q=i.q[:, :3])),
+      ("head_dim", "head dims differ", lambda i: dict(q=i.q[..., :8])),
+      ("dtype", "dtypes differ", lambda i: dict(q=i.q.astype(jnp.bfloat16))),
+      ("table_dtype", "block_tables must be int32", lambda i: dict(block_tables=i.block_tables.astype(jnp.float32))),
+      ("lens_dtype", "kv_lens must be int32", lambda i: dict(seq_lens=i.seq_lens.astype(jnp.int16))),
+      ("q_len", "sequence 1: q_len=3 is larger than its kv_len=2",
+       lambda i: dict(seq_lens=jnp.array([5, 2], jnp.int32), cu_q_lens=jnp.array([0, 0, 3], jnp.int32))),
+      ("capacity", "seq_len=17 exceeds the block table's capacity",
+       lambda i: dict(seq_lens=jnp.array([5, 17], jnp.int32))),
+      ("page_range", "is outside [0, num_pages=",
+       lambda i: dict(block_tables=i.block_tables.at[0, 0].set(99))),
+      ("negative_page", "=-1 is outside",
+       lambda i: dict(block_tables=i.block_tables.at[1, 2].set(-1))),
+      ("null_live", "block_tables[1, 2] is NULL_PAGE",
+       lambda i: dict(block_tables=i.block_tables.at[1, 2].set(0))),
+  )
+  def test_rejected_with_named_values(self, message, change):
+    with self.assertRaisesRegex(ValueError, message.replace("[", r"\[").replace("]", r"\]")):
+      self._call(**change(self.inp))
+
+  def test_jitted_path_rejects_static_problems_too(self):
+    with self.assertRaisesRegex(ValueError, "num_q_heads=3"):
+      attention.paged_attention(self.inp.q[:, :3], *self.inp[1:])
+
+
+if __name__ == "__main__":
+  absltest.main()
