@@ -1,0 +1,55 @@
+"""Pure device functions for the copies the block manager asks for: copy-on-write and swap.
+
+`copy_pages` is jitted with the pool donated. Pad `src`/`dst` with NULL_PAGE -> NULL_PAGE pairs
+to a few bucket sizes so it compiles once per bucket (a NULL_PAGE self-copy is harmless).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax.state import KVPool
+
+
+@functools.partial(jax.jit, donate_argnames=("pool",))
+def copy_pages(pool: KVPool, src: jax.Array, dst: jax.Array) -> KVPool:
+  """Copies page src[i] to page dst[i] in every layer, K and V.
+
+  Args:
+    pool: KVPool; donated.
+    src: i32[num_copies] source pages.
+    dst: i32[num_copies] destination pages (distinct, and none of them a source).
+
+  Returns:
+    The updated pool.
+  """
+  if src.shape != dst.shape or src.ndim != 1:
+    raise ValueError(f"src {src.shape} and dst {dst.shape} must be equal 1-D shapes")
+  return pool.replace(k=pool.k.at[:, dst].set(pool.k[:, src]),
+                      v=pool.v.at[:, dst].set(pool.v[:, src]))
+
+
+def read_pages(pool: KVPool, pages) -> tuple[np.ndarray, np.ndarray]:
+  """Swap-out: host copies (NumPy) of K and V of `pages`, [num_layers, len(pages), page_size, K, D]."""
+  idx = jnp.asarray(np.asarray(pages, np.int32))
+  return np.asarray(pool.k[:, idx]), np.asarray(pool.v[:, idx])
+
+
+@functools.partial(jax.jit, donate_argnames=("pool",))
+def write_pages(pool: KVPool, pages: jax.Array, k: jax.Array, v: jax.Array) -> KVPool:
+  """Swap-in: stores host copies back into (new) pages; inverse of `read_pages`.
+
+  Args:
+    pool: KVPool; donated.
+    pages: i32[n] destination pages.
+    k, v: [num_layers, n, page_size, num_kv_heads, head_dim].
+  """
+  if k.shape != (pool.num_layers, pages.shape[0]) + pool.k.shape[2:]:
+    raise ValueError(f"k shape {k.shape} does not match {pages.shape[0]} pages of the pool "
+                     f"{pool.k.shape}")
+  return pool.replace(k=pool.k.at[:, pages].set(k.astype(pool.dtype)),
+                      v=pool.v.at[:, pages].set(v.astype(pool.dtype)))

@@ -1,0 +1,427 @@
+"""Block manager: the seeds' numbers, prefix caching, copy-on-write, swap, bad input, properties."""
+
+from absl.testing import absltest
+import chex
+import hypothesis
+from hypothesis import stateful
+import hypothesis.strategies as st
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax import KVPool, page_ops
+from paged_jax.host import baselines
+from paged_jax.host.block_manager import (BlockManager, SeqStatus, UnknownSequenceError,
+                                          page_hash)
+
+
+def _computed(bm, seq_id, tokens, **kw):
+  """Admit and mark the whole prompt computed (what one prefill step does)."""
+  adm = bm.admit(seq_id, tokens, **kw)
+  bm.mark_computed(seq_id)
+  bm.check_invariants()
+  return adm
+
+
+class SeedNumbersTest(absltest.TestCase):
+
+  def test_three_requests_and_growth(self):
+    # The seeds' 64-block pool has 64 usable blocks; ours adds NULL_PAGE, so num_pages = 65.
+    bm = BlockManager(num_pages=65, page_size=16)
+    tables = {}
+    for name, n in (("a", 25), ("b", 47), ("c", 12)):
+      tables[name] = bm.admit(name, range(n)).block_table
+    self.assertEqual([len(tables[n]) for n in "abc"], [2, 3, 1])
+    self.assertEqual(bm.stats()["reserved_token_slots"], 96)
+    self.assertEqual(bm.stats()["stored_tokens"], 84)
+    self.assertEqual(bm.num_free_pages, 58)
+    bm.check_invariants()
+    # 47 + 10 = 57 tokens: exactly one more page; the first three entries stay where they are.
+    growth = bm.append_tokens("b", range(47, 57))
+    self.assertLen(growth.new_pages, 1)
+    self.assertEqual(bm.block_table("b")[:3], tables["b"])
+    self.assertLen(bm.block_table("b"), 4)
+    bm.check_invariants()
+
+  def test_growth_by_twenty_needs_two_pages(self):
+    bm = BlockManager(num_pages=65, page_size=16)
+    first = bm.admit("b", range(47)).block_table
+    growth = bm.append_tokens("b", range(47, 67))   # 67 tokens: five pages in all
+    self.assertLen(growth.new_pages, 2)
+    self.assertEqual(bm.block_table("b")[:3], first)
+    self.assertLen(bm.block_table("b"), 5)
+
+  def test_decode_allocates_only_when_last_page_is_full(self):
+    bm = BlockManager(num_pages=10, page_size=4)
+    bm.admit("s", range(5))
+    # Tokens 6..13: pages hold 8 after the prompt, so the 9th and 13th token open new pages.
+    new = [len(bm.append_tokens("s", [9]).new_pages) for _ in range(8)]
+    self.assertEqual(new, [0, 0, 0, 1, 0, 0, 0, 1])
+    bm.free("s")
+    self.assertEqual(bm.num_free_pages, 9)
+    bm.check_invariants()
+
+  def test_seed_cow_case(self):
+    # A and B share P0 (16 tokens) and P1 (8 tokens); B writes next: P1 is copied, A keeps it.
+    bm = BlockManager(num_pages=8, page_size=16)
+    p0, p1 = _computed(bm, "A", range(24)).block_table
+    bm.fork("A", "B")
+    self.assertEqual((bm.refcount(p0), bm.refcount(p1)), (2, 2))
+    growth = bm.append_tokens("B", [99])
+    (src, dst), = growth.copies
+    self.assertEqual(src, p1)
+    self.assertEqual(bm.block_table("B"), (p0, dst))
+    self.assertEqual(bm.block_table("A"), (p0, p1))
+    self.assertEqual((bm.refcount(p0), bm.refcount(p1), bm.refcount(dst)), (2, 1, 1))
+    # A now owns P1 alone and writes in place; the full shared P0 is never copied.
+    self.assertEqual(bm.append_tokens("A", [7]).copies, ())
+    bm.check_invariants()
+
+  def test_full_shared_page_is_not_copied(self):
+    bm = BlockManager(num_pages=8, page_size=16)
+    _computed(bm, "A", range(32))   # two full pages
+    bm.fork("A", "B")
+    growth = bm.append_tokens("B", [1])
+    self.assertEqual(growth.copies, ())
+    self.assertLen(growth.new_pages, 1)
+    bm.check_invariants()
+
+  def test_parallel_sampling_1000_token_prompt_4_completions(self):
+    page_size = 16
+    bm = BlockManager(num_pages=400, page_size=page_size, enable_prefix_caching=False)
+    _computed(bm, 0, range(1000))
+    for child in (1, 2, 3):
+      bm.fork(0, child)
+    copies = 0
+    for step in range(200):
+      for s in range(4):
+        copies += len(bm.append_tokens(s, [step]).copies)
+    bm.check_invariants()
+    used = bm.stats()["pages_in_use"]
+    # Exact: 62 full shared prompt pages + 4 x 13 private tail pages (three of the four copied the
+    # shared partial page 62; the last writer kept it). The seeds' estimate 63 + 52 + 4 = 119 is
+    # an upper bound on the same count.
+    self.assertEqual(copies, 3)
+    self.assertEqual(used, 62 + 4 * 13)
+    self.assertLessEqual(used, 119)
+    unshared = 4 * -(-1200 // page_size)
+    self.assertEqual(unshared, 300)
+    self.assertGreater(1 - used / unshared, 0.6)   # the seeds' "saving ~60%"
+
+
+class PrefixCacheTest(absltest.TestCase):
+
+  def test_two_requests_share_three_full_pages(self):
+    bm = BlockManager(num_pages=12, page_size=4)
+    prompt = list(range(100, 112))
+    a = _computed(bm, "a", prompt + [1, 2])         # 14 tokens: pages 1,2,3 full, 4 partial
+    self.assertEqual(a, type(a)((1, 2, 3, 4), 0))
+    b = bm.admit("b", prompt + [5, 6, 7])            # shares the three full pages
+    self.assertEqual(b.block_table, (1, 2, 3, 5))
+    self.assertEqual(b.num_cached_tokens, 12)
+    self.assertEqual([bm.refcount(p) for p in (1, 2, 3, 4, 5)], [2, 2, 2, 1, 1])
+    stats = bm.stats()
+    self.assertEqual((stats["prefix_queries_tokens"], stats["prefix_hits_tokens"]), (29, 12))
+    bm.check_invariants()
+
+  def test_eviction_order_after_both_finish(self):
+    bm = BlockManager(num_pages=12, page_size=4)
+    prompt = list(range(100, 112))
+    _computed(bm, "a", prompt + [1, 2, 3, 4])    # pages 1,2,3,4 (4 full)
+    _computed(bm, "b", prompt + [5, 6, 7, 8, 9])  # hits 1,2,3; new 5 (full), 6 (partial)
+    bm.free("a")   # 1,2,3 still used by b; 4 becomes cached-idle
+    bm.free("b")   # b's pages, last first: 6 (partial) -> free list; 5, 3, 2, 1 -> cached-idle
+    self.assertEqual(bm.cached_idle_pages(), (4, 5, 3, 2, 1))
+    bm.check_invariants()
+    # Free pages go first (7..11, then 6), then LRU: 4, 5, 3, ...
+    taken = bm.admit("c", range(500, 500 + 4 * 8)).block_table
+    self.assertEqual(taken, (7, 8, 9, 10, 11, 6, 4, 5))
+    self.assertFalse(bm.is_cached(4) or bm.is_cached(5))   # reclaimed pages lose their hash
+    self.assertEqual(bm.cached_idle_pages(), (3, 2, 1))
+    bm.check_invariants()
+
+  def test_hit_after_partial_eviction(self):
+    bm = BlockManager(num_pages=10, page_size=4)
+    prompt = list(range(16))
+    _computed(bm, "a", prompt + [99])   # pages 1..4 full, 5 partial
+    bm.free("a")                        # idle order: 4, 3, 2, 1 (last page first); 5 -> free
+    self.assertEqual(bm.cached_idle_pages(), (4, 3, 2, 1))
+    _computed(bm, "x", range(900, 900 + 4 * 6))   # free 6, 7, 8, 9, 5, then evicts page 4 (LRU)
+    self.assertEqual(bm.block_table("x"), (6, 7, 8, 9, 5, 4))
+    bm.free("x")
+    hit = bm.admit("b", prompt + [42])
+    # Pages 1..3 survive: the chain matches up to the evicted fourth page; the two new pages come
+    # from x's idle pages, least recently used first (x's last page first).
+    self.assertEqual(hit.num_cached_tokens, 12)
+    self.assertEqual(hit.block_table, (1, 2, 3, 4, 5))
+    bm.check_invariants()
+
+  def test_salts_and_adapters_never_share(self):
+    bm = BlockManager(num_pages=20, page_size=4)
+    prompt = list(range(9))
+    _computed(bm, "a", prompt, cache_salt="alice")
+    self.assertEqual(bm.admit("b", prompt, cache_salt="bob").num_cached_tokens, 0)
+    self.assertEqual(bm.admit("c", prompt, cache_salt="alice").num_cached_tokens, 8)
+    self.assertEqual(bm.admit("d", prompt, adapter_id="lora-1", cache_salt="alice")
+                     .num_cached_tokens, 0)
+    self.assertNotEqual(page_hash(None, [1, 2], ("x",)), page_hash(None, [1, 2], ("y",)))
+    self.assertNotEqual(page_hash(page_hash(None, [1]), [2]), page_hash(page_hash(None, [3]), [2]))
+    bm.check_invariants()
+
+  def test_last_prompt_token_always_computed(self):
+    bm = BlockManager(num_pages=10, page_size=4)
+    _computed(bm, "a", range(8))
+    again = bm.admit("b", range(8))        # fully cached prompt: its last page is recomputed
+    self.assertEqual(again.num_cached_tokens, 4)
+    bm.check_invariants()
+
+  def test_uncomputed_pages_are_not_hit(self):
+    bm = BlockManager(num_pages=10, page_size=4)
+    bm.admit("a", range(9))                # admitted, prefill not run yet
+    self.assertEqual(bm.admit("b", range(9)).num_cached_tokens, 0)
+    bm.mark_computed("a", 4)               # first chunk done: one page
+    self.assertEqual(bm.admit("c", range(9)).num_cached_tokens, 4)
+
+  def test_caching_off_and_reset(self):
+    bm = BlockManager(num_pages=10, page_size=4, enable_prefix_caching=False)
+    _computed(bm, "a", range(9))
+    self.assertEqual(bm.admit("b", range(9)).num_cached_tokens, 0)
+    bm = BlockManager(num_pages=10, page_size=4)
+    _computed(bm, "a", range(9))
+    with self.assertRaisesRegex(RuntimeError, "pages are in use"):
+      bm.reset_prefix_cache()
+    bm.check_invariants()
+    bm.free("a")
+    bm.reset_prefix_cache()
+    self.assertEqual(bm.cached_idle_pages(), ())
+    self.assertEqual(bm.admit("b", range(9)).num_cached_tokens, 0)
+    bm.check_invariants()
+
+
+class PreemptionTest(absltest.TestCase):
+
+  def test_swap_out_and_in_restores_pages_bit_for_bit(self):
+    bm = BlockManager(num_pages=10, page_size=4)
+    pool = KVPool.create(num_layers=2, num_pages=10, page_size=4, num_kv_heads=2, head_dim=3)
+    rng = np.random.default_rng(0)
+    pool = pool.replace(k=jnp.asarray(rng.standard_normal(pool.k.shape), jnp.float32),
+                        v=jnp.asarray(rng.standard_normal(pool.v.shape), jnp.float32))
+    _computed(bm, "a", range(10))
+    before_k, before_v = page_ops.read_pages(pool, bm.block_table("a"))
+    out = bm.swap_out("a")
+    host_k, host_v = page_ops.read_pages(pool, out.pages)
+    self.assertEqual(bm.status("a"), SeqStatus.SWAPPED)
+    bm.check_invariants()
+    # Someone else takes (and overwrites) the freed pages.
+    _computed(bm, "b", range(100, 130))
+    for p in bm.block_table("b"):
+      pool = page_ops.write_pages(pool, jnp.array([p], jnp.int32), jnp.zeros((2, 1, 4, 2, 3)),
+                                  jnp.zeros((2, 1, 4, 2, 3)))
+    self.assertIsNone(bm.swap_in("a"))    # no room: nothing changes
+    self.assertEqual(bm.status("a"), SeqStatus.SWAPPED)
+    bm.check_invariants()
+    bm.free("b")
+    restored = bm.swap_in("a")
+    pool = page_ops.write_pages(pool, jnp.asarray(restored.pages, jnp.int32), jnp.asarray(host_k),
+                                jnp.asarray(host_v))
+    after_k, after_v = page_ops.read_pages(pool, bm.block_table("a"))
+    np.testing.assert_array_equal(after_k, before_k)
+    np.testing.assert_array_equal(after_v, before_v)
+    self.assertEqual(bm.num_tokens("a"), 10)
+    bm.append_tokens("a", [1, 2, 3])
+    bm.check_invariants()
+
+  def test_recompute_then_readmit_hits_cache(self):
+    bm = BlockManager(num_pages=10, page_size=4)
+    _computed(bm, "a", range(10))
+    bm.append_tokens("a", [7, 8])
+    bm.mark_computed("a")
+    bm.preempt_recompute("a")
+    self.assertEqual(bm.status("a"), SeqStatus.PREEMPTED)
+    bm.check_invariants()
+    adm = bm.admit("a", None, resume=True)
+    self.assertEqual(adm.num_cached_tokens, 8)   # pages 0-1 full; 12 tokens -> page 2 recomputed
+    self.assertEqual(bm.num_tokens("a"), 12)
+    bm.check_invariants()
+
+  def test_copy_pages_applies_cow_pairs_in_every_layer(self):
+    pool = KVPool.create(num_layers=3, num_pages=6, page_size=2, num_kv_heads=1, head_dim=2)
+    pool = pool.replace(k=jnp.arange(pool.k.size, dtype=jnp.float32).reshape(pool.k.shape),
+                        v=-jnp.arange(pool.v.size, dtype=jnp.float32).reshape(pool.v.shape))
+    k0, v0 = np.asarray(pool.k), np.asarray(pool.v)
+    pool = page_ops.copy_pages(pool, jnp.array([1, 2, 0], jnp.int32), jnp.array([4, 5, 0], jnp.int32))
+    expected_k, expected_v = k0.copy(), v0.copy()
+    expected_k[:, [4, 5]] = k0[:, [1, 2]]
+    expected_v[:, [4, 5]] = v0[:, [1, 2]]
+    chex.assert_trees_all_equal((pool.k, pool.v), (jnp.asarray(expected_k), jnp.asarray(expected_v)))
+
+
+class BadInputTest(absltest.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.bm = BlockManager(num_pages=6, page_size=4)
+    _computed(self.bm, "a", range(6))
+
+  def tearDown(self):
+    self.bm.check_invariants()   # every rejected call left the manager consistent
+    super().tearDown()
+
+  def test_unknown_and_finished(self):
+    with self.assertRaisesRegex(UnknownSequenceError, "'zz'"):
+      self.bm.append_tokens("zz", [1])
+    self.bm.free("a")
+    with self.assertRaisesRegex(UnknownSequenceError, "unknown or finished sequence 'a'"):
+      self.bm.append_tokens("a", [1])
+    with self.assertRaises(UnknownSequenceError):
+      self.bm.free("a")   # double free
+
+  def test_fork_missing_or_existing(self):
+    with self.assertRaises(UnknownSequenceError):
+      self.bm.fork("missing", "b")
+    with self.assertRaisesRegex(ValueError, "'a' already exists"):
+      self.bm.fork("a", "a")
+
+  def test_admit_twice_and_empty(self):
+    with self.assertRaisesRegex(ValueError, "already admitted"):
+      self.bm.admit("a", [1])
+    with self.assertRaisesRegex(ValueError, "at least one token"):
+      self.bm.admit("b", [])
+
+  def test_out_of_pages_is_all_or_nothing(self):
+    free = self.bm.num_free_pages
+    self.assertIsNone(self.bm.admit("big", range(1000, 1000 + 4 * (free + 1))))
+    self.assertNotIn("big", self.bm)
+    self.assertEqual(self.bm.num_free_pages, free)
+    self.assertIsNone(self.bm.append_tokens("a", range(4 * (free + 1))))
+    self.assertEqual(self.bm.num_tokens("a"), 6)
+
+  def test_swap_in_of_running_and_resume_of_running(self):
+    with self.assertRaisesRegex(ValueError, "'a' is running, not swapped"):
+      self.bm.swap_in("a")
+    with self.assertRaisesRegex(ValueError, "not preempted"):
+      self.bm.admit("a", None, resume=True)
+
+  def test_mark_computed_out_of_range(self):
+    with self.assertRaisesRegex(ValueError, r"num_computed=9 must lie in \[6, 6\]"):
+      self.bm.mark_computed("a", 9)
+
+
+class BaselineAllocatorTest(absltest.TestCase):
+
+  def test_reservations(self):
+    self.assertEqual([baselines.reservation(p, 300, 2048) for p in baselines.POLICIES],
+                     [2048, 512, 300])
+    self.assertEqual(baselines.reservation("pow2", 256, 2048), 256)
+
+  def test_seed_contiguous_waste(self):
+    # 25, 47, 12 tokens reserving 2,048 each: 6,144 slots for 84 tokens.
+    alloc = baselines.ContiguousAllocator(8192, "max", 2048)
+    for i, n in enumerate((25, 47, 12)):
+      self.assertTrue(alloc.admit(i, n, n))
+    self.assertEqual(alloc.stats()["reserved_token_slots"], 6144)
+    self.assertEqual(alloc.stats()["stored_tokens"], 84)
+
+  def test_external_fragmentation(self):
+    # Free extents of 1,500 and 800 cannot hold one 2,048-slot request (the seeds' example).
+    alloc = baselines.ContiguousAllocator(4348, "oracle", 4096)
+    for seq_id, n in (("x", 1500), ("live1", 1024), ("y", 800), ("live2", 1024)):
+      self.assertTrue(alloc.admit(seq_id, n, n))
+    alloc.free("x")
+    alloc.free("y")
+    self.assertEqual(alloc.stats()["free_token_slots"], 2300)
+    self.assertFalse(alloc.admit("big", 2048, 2048))
+    bm = BlockManager(num_pages=1 + 2300 // 16, page_size=16)   # paged: any free page will do
+    self.assertIsNotNone(bm.admit("big", range(2048)))
+
+
+class BlockManagerMachine(stateful.RuleBasedStateMachine):
+  """Random admit / append / fork / free / preempt / swap-out / swap-in / reset sequences."""
+
+  def __init__(self):
+    super().__init__()
+    self.bm = BlockManager(num_pages=13, page_size=4)
+    self.next_id = 0
+
+  def _ids(self, status):
+    return sorted(s for s in list(self.bm._seqs) if self.bm.status(s) is status)
+
+  @stateful.rule(n=st.integers(1, 20), shared=st.booleans())
+  def admit(self, n, shared):
+    tokens = list(range(n)) if shared else [self.next_id * 1000 + t for t in range(n)]
+    if self.bm.admit(self.next_id, tokens) is not None:
+      self.bm.mark_computed(self.next_id)
+    self.next_id += 1
+
+  @stateful.rule(data=st.data(), n=st.integers(1, 6))
+  def append(self, data, n):
+    running = self._ids(SeqStatus.RUNNING)
+    if running:
+      s = data.draw(st.sampled_from(running))
+      if self.bm.append_tokens(s, [s] * n) is not None:
+        self.bm.mark_computed(s)
+
+  @stateful.rule(data=st.data())
+  def fork(self, data):
+    running = self._ids(SeqStatus.RUNNING)
+    if running:
+      self.bm.fork(data.draw(st.sampled_from(running)), self.next_id)
+      self.next_id += 1
+
+  @stateful.rule(data=st.data())
+  def free(self, data):
+    ids = sorted(self.bm._seqs)
+    if ids:
+      self.bm.free(data.draw(st.sampled_from(ids)))
+
+  @stateful.rule(data=st.data())
+  def preempt(self, data):
+    running = self._ids(SeqStatus.RUNNING)
+    if running:
+      self.bm.preempt_recompute(data.draw(st.sampled_from(running)))
+
+  @stateful.rule(data=st.data())
+  def resume(self, data):
+    preempted = self._ids(SeqStatus.PREEMPTED)
+    if preempted:
+      s = data.draw(st.sampled_from(preempted))
+      if self.bm.admit(s, None, resume=True) is not None:
+        self.bm.mark_computed(s)
+
+  @stateful.rule(data=st.data())
+  def swap_out(self, data):
+    running = self._ids(SeqStatus.RUNNING)
+    if running:
+      self.bm.swap_out(data.draw(st.sampled_from(running)))
+
+  @stateful.rule(data=st.data())
+  def swap_in(self, data):
+    swapped = self._ids(SeqStatus.SWAPPED)
+    if swapped:
+      self.bm.swap_in(data.draw(st.sampled_from(swapped)))
+
+  @stateful.rule()
+  def reset(self):
+    try:
+      self.bm.reset_prefix_cache()
+    except RuntimeError:
+      pass   # pages in use: refused, and nothing may have changed (checked below)
+
+  @stateful.invariant()
+  def invariants_hold(self):
+    self.bm.check_invariants()
+
+  def teardown(self):
+    for s in list(self.bm._seqs):
+      self.bm.free(s)
+    self.bm.check_invariants()
+    stats = self.bm.stats()
+    assert stats["pages_free"] + stats["pages_cached_idle"] == self.bm.num_pages - 1
+
+
+BlockManagerMachine.TestCase.settings = hypothesis.settings(
+    max_examples=60, stateful_step_count=40, deadline=None, derandomize=True)
+TestBlockManagerProperties = BlockManagerMachine.TestCase
+
+
+if __name__ == "__main__":
+  absltest.main()
