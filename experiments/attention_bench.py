@@ -32,24 +32,6 @@ import numpy as np
 
 from paged_jax import attention, testing
 
-_SEQ_LENS = flags.DEFINE_list("seq_lens", ["1024", "2048", "4096"], "Tokens per sequence (sweep).")
-_NUM_SEQS = flags.DEFINE_integer("num_seqs", 32, "Sequences per batch.")
-_MODES = flags.DEFINE_list("modes", ["decode", "prefill"], "decode (q_len 1) and/or prefill.")
-_PREFILL_Q_LEN = flags.DEFINE_integer("prefill_q_len", 128,
-                                      "Queries per sequence in prefill mode (a chunk after a prefix).")
-_PREFILL_NUM_SEQS = flags.DEFINE_integer("prefill_num_seqs", 4, "Sequences in prefill mode.")
-_PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Tokens per page.")
-_NUM_Q_HEADS = flags.DEFINE_integer("num_q_heads", 8, "Query heads.")
-_NUM_KV_HEADS = flags.DEFINE_integer("num_kv_heads", 2, "KV heads.")
-_HEAD_DIM = flags.DEFINE_integer("head_dim", 64, "Head dimension.")
-_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "K/V and query dtype.")
-_BLOCK_TOKENS = flags.DEFINE_integer("block_tokens", attention.DEFAULT_BLOCK_TOKENS,
-                                     "Keys per loop iteration of the blocked paths.")
-_IMPLS = flags.DEFINE_list("impls", ["dense_reference", "dense_blocked", "paged_xla"], "Paths to time.")
-_ROUNDS = flags.DEFINE_integer("rounds", 5, "Interleaved timing rounds (median is reported).")
-_ITERS = flags.DEFINE_integer("iters", 5, "Calls per round.")
-_OUT = flags.DEFINE_string("out", "experiments/results/attention_bench.jsonl", "JSONL to append to.")
-
 
 @dataclasses.dataclass(frozen=True)
 class BenchConfig:
@@ -204,4 +186,23 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  # Flags exist only when run as a script, so tests can import every experiment into one
+  # process without absl's duplicate-flag error (several scripts share --page_size).
+  _SEQ_LENS = flags.DEFINE_list("seq_lens", ["1024", "2048", "4096"], "Tokens per sequence (sweep).")
+  _NUM_SEQS = flags.DEFINE_integer("num_seqs", 32, "Sequences per batch.")
+  _MODES = flags.DEFINE_list("modes", ["decode", "prefill"], "decode (q_len 1) and/or prefill.")
+  _PREFILL_Q_LEN = flags.DEFINE_integer("prefill_q_len", 128,
+                                        "Queries per sequence in prefill mode (a chunk after a prefix).")
+  _PREFILL_NUM_SEQS = flags.DEFINE_integer("prefill_num_seqs", 4, "Sequences in prefill mode.")
+  _PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Tokens per page.")
+  _NUM_Q_HEADS = flags.DEFINE_integer("num_q_heads", 8, "Query heads.")
+  _NUM_KV_HEADS = flags.DEFINE_integer("num_kv_heads", 2, "KV heads.")
+  _HEAD_DIM = flags.DEFINE_integer("head_dim", 64, "Head dimension.")
+  _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "K/V and query dtype.")
+  _BLOCK_TOKENS = flags.DEFINE_integer("block_tokens", attention.DEFAULT_BLOCK_TOKENS,
+                                       "Keys per loop iteration of the blocked paths.")
+  _IMPLS = flags.DEFINE_list("impls", ["dense_reference", "dense_blocked", "paged_xla"], "Paths to time.")
+  _ROUNDS = flags.DEFINE_integer("rounds", 5, "Interleaved timing rounds (median is reported).")
+  _ITERS = flags.DEFINE_integer("iters", 5, "Calls per round.")
+  _OUT = flags.DEFINE_string("out", "experiments/results/attention_bench.jsonl", "JSONL to append to.")
   app.run(main)

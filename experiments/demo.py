@@ -18,14 +18,6 @@ import numpy as np
 
 from paged_jax import attention, testing
 
-_SEQ_LENS = flags.DEFINE_list("seq_lens", ["1", "15", "16", "17", "200", "1000"], "Keys per sequence.")
-_Q_LENS = flags.DEFINE_list("q_lens", ["1", "15", "1", "4", "1", "64"],
-                            "Queries per sequence (1 = decode; == seq_len = whole prompt).")
-_PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Tokens per page.")
-_NUM_Q_HEADS = flags.DEFINE_integer("num_q_heads", 8, "Query heads.")
-_NUM_KV_HEADS = flags.DEFINE_integer("num_kv_heads", 2, "KV heads.")
-_HEAD_DIM = flags.DEFINE_integer("head_dim", 64, "Head dimension.")
-
 
 @dataclasses.dataclass(frozen=True)
 class DemoConfig:
@@ -89,4 +81,13 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  # Flags exist only when run as a script, so tests can import every experiment into one
+  # process without absl's duplicate-flag error (several scripts share --page_size).
+  _SEQ_LENS = flags.DEFINE_list("seq_lens", ["1", "15", "16", "17", "200", "1000"], "Keys per sequence.")
+  _Q_LENS = flags.DEFINE_list("q_lens", ["1", "15", "1", "4", "1", "64"],
+                              "Queries per sequence (1 = decode; == seq_len = whole prompt).")
+  _PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Tokens per page.")
+  _NUM_Q_HEADS = flags.DEFINE_integer("num_q_heads", 8, "Query heads.")
+  _NUM_KV_HEADS = flags.DEFINE_integer("num_kv_heads", 2, "KV heads.")
+  _HEAD_DIM = flags.DEFINE_integer("head_dim", 64, "Head dimension.")
   app.run(main)
