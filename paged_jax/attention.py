@@ -7,10 +7,13 @@ exp(s - m), and its exp-weighted sum of values. Summaries merge exactly:
 
 `merge_summaries` is that rule, and everything here uses it: the XLA paged path (a loop over
 groups of pages read through the block table), its contiguous twin (the same loop over dense K/V,
-the fair baseline for benchmarks), and `merge_states` for (output, log-sum-exp) pairs.
+the fair baseline for benchmarks), the Pallas kernel's split merge, and `merge_states` for
+(output, log-sum-exp) pairs. `paged_attention` dispatches between the Pallas (Triton) kernel, on
+CUDA GPUs of compute capability >= 8.0, and the XLA path everywhere else.
 
-`dense_attention` (the definition every path is tested against) lives beside the Pallas kernel
-in `pallas_kernels.paged_attention.reference`, and is re-exported here.
+`dense_attention` (the definition every path is tested against) and the merge rule live beside
+the Pallas kernel in `pallas_kernels.paged_attention` (which may not import this package), and are
+re-exported here.
 
 Einsum letters: B seqs, Q query slots per seq, T kv tokens in a block, K kv heads, G q heads per
 kv head, D head_dim.
@@ -19,19 +22,23 @@ kv head, D head_dim.
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.paged_attention import kernel_triton
+from pallas_kernels.paged_attention.merge import (Summary, block_summary, finalize,
+                                                  merge_summaries)
 from pallas_kernels.paged_attention.reference import (attention_mask, check_static_args,
                                                       dense_attention, padded_to_ragged,
                                                       paged_attention_reference, ragged_to_padded)
 from paged_jax.state import NULL_PAGE
 
 __all__ = ["Summary", "block_summary", "merge_summaries", "finalize", "merge_states",
-           "dense_attention", "paged_attention_reference", "paged_attention",
+           "dense_attention", "paged_attention_reference", "paged_attention", "paged_attention_xla",
+           "kernel_unavailable_reason", "IMPLS",
            "contiguous_attention", "validate_attention_inputs", "DEFAULT_BLOCK_TOKENS"]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -40,46 +47,6 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 # (experiments/attention_bench.py --block_tokens sweeps it); a block stays in L2 between the
 # score and value passes.
 DEFAULT_BLOCK_TOKENS = 64
-
-
-class Summary(NamedTuple):
-  """Softmax state of a set of keys for each query, in f32 (natural log base).
-
-  m: [...] max score (-inf when no key is visible).
-  z: [...] sum of exp(s - m).
-  u: [..., D] sum of exp(s - m) * v.
-  """
-  m: jax.Array
-  z: jax.Array
-  u: jax.Array
-
-
-def block_summary(s, v, contract: str = "...t,...td->...d") -> Summary:
-  """Summary of one block: s f32[..., T] masked scores (-inf = not visible), v f32[..., T, D].
-
-  `contract` is the einsum from (probabilities, values) to the weighted value sum, for callers
-  whose axes are laid out differently.
-  """
-  m = jnp.max(s, axis=-1)
-  m_safe = jnp.where(jnp.isfinite(m), m, 0.0)   # a block with no visible key: p = 0, not NaN
-  p = jnp.exp(s - m_safe[..., None])
-  return Summary(m, jnp.sum(p, axis=-1), jnp.einsum(contract, p, v, precision=_HIGHEST))
-
-
-def merge_summaries(a: Summary, b: Summary) -> Summary:
-  """The exact merge rule of the seeds' section 11. Merging two empty summaries gives an empty one."""
-  m = jnp.maximum(a.m, b.m)
-  m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-  wa, wb = jnp.exp(a.m - m_safe), jnp.exp(b.m - m_safe)   # exp(-inf) = 0 for empty sides
-  return Summary(m, wa * a.z + wb * b.z, wa[..., None] * a.u + wb[..., None] * b.u)
-
-
-def finalize(s: Summary) -> tuple[jax.Array, jax.Array]:
-  """(o, lse) from a summary: o = u / z (zeros when z == 0), lse = m + log z (-inf when empty)."""
-  nonempty = s.z > 0
-  o = s.u / jnp.where(nonempty, s.z, 1.0)[..., None]
-  lse = jnp.where(nonempty, s.m + jnp.log(jnp.where(nonempty, s.z, 1.0)), -jnp.inf)
-  return o, lse
 
 
 def merge_states(o_a, lse_a, o_b, lse_b) -> tuple[jax.Array, jax.Array]:
@@ -143,12 +110,71 @@ def _num_blocks(seq_lens, block_tokens: int, max_blocks: int):
   return jnp.minimum((longest + block_tokens - 1) // block_tokens, max_blocks)
 
 
-@functools.partial(jax.jit, static_argnames=("max_q_len", "scale", "sliding_window", "soft_cap",
-                                             "pages_per_block", "return_lse"))
+IMPLS = ("auto", "xla", "pallas")
+_KERNEL_MIN_COMPUTE_CAPABILITY = (8, 0)   # Triton backend's floor (Ampere)
+
+
+def kernel_unavailable_reason(head_dim: int | None = None, page_size: int | None = None,
+                              device: jax.Device | None = None) -> str | None:
+  """Why the Pallas (Triton) kernel cannot run compiled here, or None if it can.
+
+  It needs a CUDA GPU of compute capability >= 8.0 (CPU, TPU and older GPUs such as Colab's T4 take
+  the XLA path), head_dim a multiple of 16 and a power-of-two page_size.
+  """
+  device = device or jax.devices()[0]
+  if device.platform != "gpu":
+    return f"the Triton kernel needs a CUDA GPU; this device is {device.platform}"
+  capability = getattr(device, "compute_capability", None)
+  if capability is None:
+    return f"{device.device_kind} reports no CUDA compute capability (not a CUDA GPU?)"
+  major, minor = (int(x) for x in str(capability).split(".")[:2])
+  if (major, minor) < _KERNEL_MIN_COMPUTE_CAPABILITY:
+    return (f"{device.device_kind} has compute capability {capability}; the Triton backend "
+            f"needs >= 8.0")
+  if head_dim is not None and head_dim % 16:
+    return f"head_dim={head_dim} is not a multiple of 16"
+  if page_size is not None and page_size & (page_size - 1):
+    return f"page_size={page_size} is not a power of two"
+  return None
+
+
 def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
                     max_q_len: int | None = None, scale: float | None = None,
                     sliding_window: int | None = None, soft_cap: float | None = None,
-                    pages_per_block: int | None = None, return_lse: bool = False):
+                    return_lse: bool = False, impl: str = "auto",
+                    pages_per_block: int | None = None,
+                    block_sizes: kernel_triton.BlockSizes | None = None, interpret: bool = False):
+  """Ragged paged attention; dispatches to the Pallas kernel or the XLA path.
+
+  `impl="auto"` runs the Triton kernel on CUDA GPUs of compute capability >= 8.0 (when the shapes
+  suit it) and the XLA path everywhere else; "xla" and "pallas" force one. Forcing "pallas" where
+  it cannot run compiled raises a ValueError saying why, unless `interpret=True` (Pallas' CPU
+  interpreter, for tests). Arguments are those of `paged_attention_xla`; `pages_per_block` tunes
+  the XLA path, `block_sizes` the kernel.
+  """
+  if impl not in IMPLS:
+    raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
+  reason = kernel_unavailable_reason(q.shape[-1], k_pages.shape[1])
+  if impl == "pallas" and reason is not None and not interpret:
+    raise ValueError(f"impl='pallas' cannot run here: {reason}. Use impl='xla' (or "
+                     f"interpret=True to run the kernel through Pallas' interpreter).")
+  use_kernel = impl == "pallas" or (impl == "auto" and reason is None)
+  kw = dict(max_q_len=max_q_len, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+            return_lse=return_lse)
+  if use_kernel:
+    return kernel_triton.paged_attention(
+        q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens,
+        block_sizes=block_sizes or kernel_triton.BlockSizes(), interpret=interpret, **kw)
+  return paged_attention_xla(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens,
+                             pages_per_block=pages_per_block, **kw)
+
+
+@functools.partial(jax.jit, static_argnames=("max_q_len", "scale", "sliding_window", "soft_cap",
+                                             "pages_per_block", "return_lse"))
+def paged_attention_xla(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
+                        max_q_len: int | None = None, scale: float | None = None,
+                        sliding_window: int | None = None, soft_cap: float | None = None,
+                        pages_per_block: int | None = None, return_lse: bool = False):
   """Ragged paged attention in plain JAX/XLA, by blocked softmax merging over groups of pages.
 
   Args:

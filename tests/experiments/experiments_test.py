@@ -25,9 +25,28 @@ class ExperimentsTest(absltest.TestCase):
     for r in records:
       self.assertLessEqual(r["max_abs_err"], 1e-5)
       self.assertGreater(r["ms"], 0)
-    self.assertEqual(records[1]["ratio_vs_dense_blocked"], 1.0)
+    self.assertEqual(records[1]["ratio_vs_baseline"], 1.0)
     with self.assertRaisesRegex(ValueError, "not available"):
       attention_bench.run(attention_bench.BenchConfig(impls=("nope",)), copy_bytes_per_s=1e9)
+
+  def test_attention_bench_kernels_interpreted(self):
+    # The GPU comparison's code path, through Pallas' interpreter at a tiny shape.
+    cfg = attention_bench.BenchConfig(
+        num_seqs=2, seq_len=256, page_size=16, num_q_heads=4, num_kv_heads=2, head_dim=16,
+        impls=("pallas", "jax_paged", "jax_decode", "paged_xla"), baseline="jax_paged",
+        rounds=1, iters=1, interpret=True)
+    records = attention_bench.run(cfg, copy_bytes_per_s=1e9)
+    self.assertEqual([r["impl"] for r in records], list(cfg.impls))
+    self.assertLessEqual(records[0]["max_abs_err"], 1e-5)
+
+  def test_attention_bench_mixed_batch_in_one_kernel_launch(self):
+    cfg = attention_bench.BenchConfig(
+        num_seqs=3, seq_len=32, q_len=8, num_prefill_seqs=1, page_size=4, num_q_heads=4,
+        num_kv_heads=2, head_dim=16, impls=("pallas", "paged_xla"), baseline="paged_xla",
+        rounds=1, iters=1, interpret=True)
+    records = attention_bench.run(cfg, copy_bytes_per_s=1e9)
+    self.assertEqual({r["mode"] for r in records}, {"mixed"})
+    self.assertTrue(all(r["max_abs_err"] <= 1e-5 for r in records))
 
   def test_block_manager_bench(self):
     r = block_manager_bench.run(block_manager_bench.ManagerBenchConfig(

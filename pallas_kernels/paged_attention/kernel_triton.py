@@ -1,0 +1,300 @@
+"""Ragged paged attention as a Pallas kernel for the Triton backend (Ampere and newer GPUs).
+
+One launch serves a ragged batch that mixes decode rows (q_len 1) and prefill chunks (q_len > 1,
+causal at positions kv_len - q_len + i). The grid is (seq, kv head, row block x kv split):
+
+  - a program takes `block_q` consecutive queries of one sequence times all `q_per_kv` query heads
+    of one KV head, so each K/V page is read once per KV head (GQA / MQA);
+  - long contexts are split across `num_splits` programs (flash-decoding); the number of splits
+    follows the work size (seqs x KV heads x row blocks against the pages to read), not a constant;
+  - each program walks its pages `pages_per_block` at a time, reading page ids from the block
+    table inside the kernel, with an online softmax in f32; it writes its partial state (m, l, u)
+    in f32, and the splits are merged exactly outside the kernel by the seeds' section-11 rule
+    (`merge.merge_along`).
+
+NaN-safe: scores of invisible keys become -inf and V rows past a sequence's length are zeroed
+before the value product, so a NaN in a stale slot, a free page or NULL_PAGE never reaches an
+output; a row with no visible key gets zeros. Head dims that are not powers of two (80, 96) are
+handled as a sum of power-of-two chunks (64 + 16, 64 + 32): Triton loads need power-of-two shapes,
+and this needs no copy of the pool. f32 dots run at HIGHEST precision (IEEE, not TF32).
+
+Runs compiled on a GPU, or on a CPU with `interpret=True` (Pallas' HLO interpreter).
+Never imports paged_jax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+import jax.numpy as jnp
+
+from pallas_kernels.paged_attention.merge import Summary, finalize, merge_along
+from pallas_kernels.paged_attention.reference import (check_static_args, padded_to_ragged,
+                                                      ragged_to_padded)
+
+NULL_PAGE = 0   # same convention as paged_jax.state (this package may not import it)
+_HIGHEST = jax.lax.Precision.HIGHEST
+_MIN_DOT = 16   # Triton's smallest dot dimension
+
+
+def _next_pow2(n: int) -> int:
+  return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tile sizes; hashable, so it can be a static jit argument. None = chosen from the shapes.
+
+  Attributes:
+    block_q: queries per program (its rows = block_q x q_per_kv, padded to a power of two >= 16).
+    pages_per_block: pages per inner iteration (block_tokens = pages x page_size, a power of two
+      >= 16).
+    num_splits: KV splits per (seq, kv head, row block); None follows the work size.
+    target_programs: programs to aim for when choosing num_splits (about 2 per SM of an H100/H200).
+    num_warps, num_stages: Triton compiler parameters.
+  """
+  block_q: int | None = None
+  pages_per_block: int | None = None
+  num_splits: int | None = None
+  target_programs: int = 264
+  num_warps: int = 4
+  num_stages: int = 2
+
+  def __post_init__(self):
+    for name in ("block_q", "pages_per_block", "num_splits"):
+      value = getattr(self, name)
+      if value is not None and value < 1:
+        raise ValueError(f"{name}={value} must be >= 1")
+    if self.pages_per_block is not None and self.pages_per_block & (self.pages_per_block - 1):
+      raise ValueError(f"pages_per_block={self.pages_per_block} must be a power of two")
+
+
+def head_dim_chunks(head_dim: int) -> tuple[tuple[int, int], ...]:
+  """(offset, size) power-of-two chunks >= 16 that tile head_dim: 80 -> ((0, 64), (64, 16))."""
+  if head_dim % _MIN_DOT:
+    raise ValueError(f"head_dim={head_dim} must be a multiple of {_MIN_DOT} for the Triton kernel")
+  chunks, offset = [], 0
+  while offset < head_dim:
+    size = 1 << ((head_dim - offset).bit_length() - 1)
+    chunks.append((offset, size))
+    offset += size
+  return tuple(chunks)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """Static tiling of one call."""
+  block_q: int
+  block_rows: int
+  num_row_blocks: int
+  pages_per_block: int
+  num_splits: int
+  pages_per_split: int
+  table_width: int
+
+
+def plan(num_seqs: int, num_kv_heads: int, group: int, max_q_len: int, max_pages_per_seq: int,
+         page_size: int, block_sizes: BlockSizes) -> _Plan:
+  """Chooses tiles from static shapes: rows ~64 per program, >= 16 keys per inner step, and
+  enough KV splits to give ~target_programs programs."""
+  block_q = block_sizes.block_q or (1 if max_q_len == 1 else
+                                    max(1, min(_next_pow2(max_q_len), 64 // group)))
+  block_rows = max(_MIN_DOT, _next_pow2(block_q * group))
+  num_row_blocks = -(-max_q_len // block_q)
+  ppb = block_sizes.pages_per_block or max(1, 64 // page_size)
+  ppb = max(ppb, -(-_MIN_DOT // page_size))
+  ppb = _next_pow2(ppb)
+  max_blocks = max(1, -(-max_pages_per_seq // ppb))
+  if block_sizes.num_splits is not None:
+    num_splits = min(block_sizes.num_splits, max_blocks)
+  else:
+    programs = num_seqs * num_kv_heads * num_row_blocks
+    num_splits = max(1, min(max_blocks, -(-block_sizes.target_programs // programs)))
+  pages_per_split = -(-max_blocks // num_splits) * ppb
+  return _Plan(block_q, block_rows, num_row_blocks, ppb, num_splits, pages_per_split,
+               num_splits * pages_per_split + ppb)
+
+
+def _kernel(meta_ref,      # i32[2]: kv_len, q_len of this sequence
+            tables_ref,    # i32[table_width] this sequence's block table, NULL_PAGE padded
+            q_ref,         # [block_rows, head_dim] rows = (query, head of the group)
+            k_pages_ref,   # [num_pages, page_size, head_dim] one KV head
+            v_pages_ref,   # [num_pages, page_size, head_dim]
+            u_ref,         # f32[block_rows, head_dim] unnormalised output of this split
+            m_ref,         # f32[block_rows] running max
+            l_ref,         # f32[block_rows] running sum of exp(s - m)
+            *, group: int, block_q: int, num_splits: int, pages_per_split: int,
+            pages_per_block: int, scale: float, soft_cap: float | None,
+            sliding_window: int | None, chunks: tuple[tuple[int, int], ...]):
+  j = pl.program_id(2)
+  row_block, split = j // num_splits, j % num_splits
+  kv_len, q_len = meta_ref[0], meta_ref[1]
+  block_rows = q_ref.shape[0]
+  page_size = k_pages_ref.shape[1]
+  block_tokens = pages_per_block * page_size
+
+  rows = jnp.arange(block_rows, dtype=jnp.int32)
+  qi = row_block * block_q + rows // group
+  row_valid = (rows < block_q * group) & (qi < q_len)
+  q_pos = kv_len - q_len + qi
+
+  # Keys this program may need: its split's pages, cut by causality (the block's last query)
+  # and the sliding window (the block's first query).
+  first_q = row_block * block_q
+  last_q = jnp.minimum(first_q + block_q, q_len) - 1
+  hi_tok = jnp.minimum(kv_len, kv_len - q_len + last_q + 1)
+  lo_tok = 0
+  if sliding_window is not None:
+    lo_tok = jnp.maximum(0, kv_len - q_len + first_q - sliding_window + 1)
+  lo_page = jnp.maximum(split * pages_per_split, lo_tok // page_size)
+  hi_page = jnp.minimum((split + 1) * pages_per_split, (hi_tok + page_size - 1) // page_size)
+  num_iters = jnp.maximum(0, (hi_page - lo_page + pages_per_block - 1) // pages_per_block)
+
+  qs = [q_ref[:, pl.ds(off, size)] for off, size in chunks]
+
+  def body(it, carry):
+    m, l, us = carry
+    first_page = lo_page + it * pages_per_block
+    pages = tables_ref[pl.ds(first_page, pages_per_block)]
+    tok = first_page * page_size + jnp.arange(block_tokens, dtype=jnp.int32)
+    # The last block may run past this program's range (into the next split's pages): mask it.
+    kv_valid = (tok < kv_len) & (tok < hi_page * page_size)
+    s = None
+    for q, (off, size) in zip(qs, chunks):
+      k = k_pages_ref[pages, :, pl.ds(off, size)].reshape(block_tokens, size)
+      part = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_HIGHEST,
+                                 preferred_element_type=jnp.float32)
+      s = part if s is None else s + part
+    s = s * scale
+    if soft_cap is not None:
+      s = soft_cap * jnp.tanh(s / soft_cap)
+    mask = row_valid[:, None] & kv_valid[None, :] & (tok[None, :] <= q_pos[:, None])
+    if sliding_window is not None:
+      mask &= q_pos[:, None] - tok[None, :] < sliding_window
+    s = jnp.where(mask, s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)   # no visible key yet: p = 0, not NaN
+    alpha = jnp.exp(m - m_safe)
+    p = jnp.exp(s - m_safe[:, None])
+    l = alpha * l + jnp.sum(p, axis=1)
+    new_us = []
+    for u, (off, size) in zip(us, chunks):
+      v = v_pages_ref[pages, :, pl.ds(off, size)].reshape(block_tokens, size)
+      v = jnp.where(kv_valid[:, None], v, 0)   # mask V too: 0 * NaN would be NaN
+      pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                               precision=_HIGHEST, preferred_element_type=jnp.float32)
+      new_us.append(alpha[:, None] * u + pv)
+    return m_new, l, tuple(new_us)
+
+  init = (jnp.full((block_rows,), -jnp.inf, jnp.float32), jnp.zeros((block_rows,), jnp.float32),
+          tuple(jnp.zeros((block_rows, size), jnp.float32) for _, size in chunks))
+  m, l, us = jax.lax.fori_loop(0, num_iters, body, init)
+  for u, (off, size) in zip(us, chunks):
+    u_ref[:, pl.ds(off, size)] = u
+  m_ref[...] = m
+  l_ref[...] = l
+
+
+@functools.partial(jax.jit, static_argnames=("max_q_len", "scale", "sliding_window", "soft_cap",
+                                             "block_sizes", "interpret", "return_lse"))
+def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
+                    max_q_len: int | None = None, scale: float | None = None,
+                    sliding_window: int | None = None, soft_cap: float | None = None,
+                    block_sizes: BlockSizes = BlockSizes(), interpret: bool = False,
+                    return_lse: bool = False):
+  """Ragged paged attention in one kernel launch. Same arguments as `paged_attention_reference`.
+
+  Args:
+    q: dtype[num_tokens, num_q_heads, head_dim], ragged by `cu_q_lens`.
+    k_pages: dtype[num_pages, page_size, num_kv_heads, head_dim]; page_size a power of two.
+    v_pages: same as `k_pages`.
+    block_tables: i32[num_seqs, max_pages_per_seq].
+    seq_lens: i32[num_seqs] keys including this step's; 0 marks a padding row.
+    cu_q_lens: i32[num_seqs + 1].
+    max_q_len: static bound on q_len (1 for decode); default num_tokens.
+    scale, sliding_window, soft_cap: as in the reference.
+    block_sizes: tiling; see BlockSizes.
+    interpret: run through Pallas' interpreter (CPU).
+    return_lse: also return f32[num_tokens, num_q_heads] natural-log log-sum-exp.
+
+  Returns:
+    dtype[num_tokens, num_q_heads, head_dim] (and lse).
+  """
+  check_static_args(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens)
+  num_tokens, num_q_heads, head_dim = q.shape
+  num_pages, page_size, num_kv_heads, _ = k_pages.shape
+  num_seqs, max_pages_per_seq = block_tables.shape
+  group = num_q_heads // num_kv_heads
+  if page_size & (page_size - 1):
+    raise ValueError(f"page_size={page_size} must be a power of two for the Triton kernel")
+  chunks = head_dim_chunks(head_dim)
+  max_q_len = num_tokens if max_q_len is None else max_q_len
+  scale = head_dim ** -0.5 if scale is None else scale
+  p = plan(num_seqs, num_kv_heads, group, max_q_len, max_pages_per_seq, page_size, block_sizes)
+
+  tables = jnp.pad(block_tables, ((0, 0), (0, p.table_width - max_pages_per_seq)),
+                   constant_values=NULL_PAGE)
+  q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+  meta = jnp.stack([seq_lens, q_lens], axis=1)
+  # Rows of a program: (query, head of the group) pairs of one KV head, padded to block_rows.
+  q_padded, _, _ = ragged_to_padded(q, cu_q_lens, seq_lens, max_q_len)
+  qr = jnp.pad(q_padded, ((0, 0), (0, p.num_row_blocks * p.block_q - max_q_len), (0, 0), (0, 0)))
+  qr = qr.reshape(num_seqs, p.num_row_blocks, p.block_q, num_kv_heads, group, head_dim)
+  qr = qr.transpose(0, 3, 1, 2, 4, 5).reshape(num_seqs, num_kv_heads, p.num_row_blocks,
+                                              p.block_q * group, head_dim)
+  qr = jnp.pad(qr, ((0, 0),) * 3 + ((0, p.block_rows - p.block_q * group), (0, 0)))
+  qr = qr.reshape(num_seqs, num_kv_heads, p.num_row_blocks * p.block_rows, head_dim)
+  rows_total = p.num_row_blocks * p.block_rows
+  ns = p.num_splits
+
+  kernel = functools.partial(
+      _kernel, group=group, block_q=p.block_q, num_splits=ns, pages_per_split=p.pages_per_split,
+      pages_per_block=p.pages_per_block, scale=scale, soft_cap=soft_cap,
+      sliding_window=sliding_window, chunks=chunks)
+  u, m, l = pl.pallas_call(
+      kernel,
+      grid=(num_seqs, num_kv_heads, p.num_row_blocks * ns),
+      in_specs=[
+          pl.BlockSpec((None, 2), lambda b, h, j: (b, 0)),
+          pl.BlockSpec((None, p.table_width), lambda b, h, j: (b, 0)),
+          pl.BlockSpec((None, None, p.block_rows, head_dim), lambda b, h, j: (b, h, j // ns, 0)),
+          pl.BlockSpec((num_pages, page_size, None, head_dim), lambda b, h, j: (0, 0, h, 0)),
+          pl.BlockSpec((num_pages, page_size, None, head_dim), lambda b, h, j: (0, 0, h, 0)),
+      ],
+      out_specs=[
+          pl.BlockSpec((None, None, None, p.block_rows, head_dim),
+                       lambda b, h, j: (j % ns, b, h, j // ns, 0)),
+          pl.BlockSpec((None, None, None, p.block_rows), lambda b, h, j: (j % ns, b, h, j // ns)),
+          pl.BlockSpec((None, None, None, p.block_rows), lambda b, h, j: (j % ns, b, h, j // ns)),
+      ],
+      out_shape=[
+          jax.ShapeDtypeStruct((ns, num_seqs, num_kv_heads, rows_total, head_dim), jnp.float32),
+          jax.ShapeDtypeStruct((ns, num_seqs, num_kv_heads, rows_total), jnp.float32),
+          jax.ShapeDtypeStruct((ns, num_seqs, num_kv_heads, rows_total), jnp.float32),
+      ],
+      compiler_params=plgpu.CompilerParams(num_warps=block_sizes.num_warps,
+                                           num_stages=block_sizes.num_stages),
+      interpret=interpret,
+      name="ragged_paged_attention",
+  )(meta, tables, qr, k_pages, v_pages)
+
+  o, lse = finalize(merge_along(Summary(m, l, u), axis=0))   # exact merge of the KV splits
+
+  def unrows(x):   # [B, K, rows_total, ...] -> [num_tokens, H, ...]
+    tail = x.shape[3:]
+    x = x.reshape((num_seqs, num_kv_heads, p.num_row_blocks, p.block_rows) + tail)
+    x = x[:, :, :, :p.block_q * group].reshape(
+        (num_seqs, num_kv_heads, p.num_row_blocks * p.block_q, group) + tail)
+    x = jnp.moveaxis(x, 1, 2)[:, :max_q_len].reshape((num_seqs, max_q_len, num_q_heads) + tail)
+    return padded_to_ragged(x, cu_q_lens, num_tokens)
+
+  out = unrows(o).astype(q.dtype)
+  if not return_lse:
+    return out
+  lse = unrows(lse)
+  return out, jnp.where(jnp.arange(num_tokens)[:, None] < cu_q_lens[-1], lse, -jnp.inf)
+

@@ -1,0 +1,198 @@
+"""The Pallas (Triton) ragged paged-attention kernel: compiled on a GPU, interpreted on CPU CI.
+
+Shapes are tiny because interpret mode is slow. Every case poisons NULL_PAGE, free pages and every
+slot past a sequence's length with NaN, and shuffles the block tables.
+"""
+
+import contextlib
+import functools
+
+from absl.testing import absltest, parameterized
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax import attention, testing
+from pallas_kernels.paged_attention import kernel_triton
+from pallas_kernels.paged_attention.reference import paged_attention_reference
+
+TOL = {  # the foundation's tolerances
+    jnp.float32: dict(atol=1e-5, rtol=1e-5),
+    jnp.bfloat16: dict(atol=2e-2, rtol=2e-2),
+}
+
+_reference = jax.jit(paged_attention_reference,
+                     static_argnames=("scale", "sliding_window", "soft_cap", "max_q_len"))
+
+_CASES = [
+    # decode: MHA, GQA, MQA; page sizes 1, 4, 16; lengths 0, 1, page-1, page, page+1, long.
+    dict(page_size=4, heads=(4, 4), dtype=jnp.float32, head_dim=16),
+    dict(page_size=4, heads=(8, 2), dtype=jnp.bfloat16, head_dim=16),
+    dict(page_size=16, heads=(4, 1), dtype=jnp.float32, head_dim=64),
+    dict(page_size=1, heads=(4, 2), dtype=jnp.float32, head_dim=16),
+    # head dims that are not powers of two: power-of-two chunks.
+    dict(page_size=4, heads=(4, 2), dtype=jnp.float32, head_dim=80),
+    dict(page_size=4, heads=(4, 1), dtype=jnp.bfloat16, head_dim=96),
+]
+
+
+class PagedAttentionKernelTest(parameterized.TestCase):
+  interpret = False
+
+  def setUp(self):
+    super().setUp()
+    if not self.interpret and attention.kernel_unavailable_reason() is not None:
+      self.skipTest(f"compiled kernel: {attention.kernel_unavailable_reason()}; "
+                    "PagedAttentionKernelInterpretTest covers this on CPU")
+
+  def _kernel(self, *args, **kw):
+    return kernel_triton.paged_attention(*args, interpret=self.interpret, **kw)
+
+  @parameterized.parameters(*_CASES)
+  def test_decode_matches_dense_and_xla(self, page_size, heads, dtype, head_dim):
+    num_q_heads, num_kv_heads = heads
+    lens = sorted({0, 1, max(page_size - 1, 1), page_size, page_size + 1, 3 * page_size + 2})
+    inp = testing.random_paged_inputs(
+        head_dim, lens, q_lens=[min(1, n) for n in lens], page_size=page_size,
+        num_kv_heads=num_kv_heads, q_per_kv=num_q_heads // num_kv_heads, head_dim=head_dim,
+        dtype=dtype, pad_tokens=1)
+    out = self._kernel(*inp, max_q_len=1)
+    self.assertFalse(np.isnan(np.asarray(out, np.float32)).any())
+    chex.assert_trees_all_close(out.astype(jnp.float32), _reference(*inp).astype(jnp.float32),
+                                **TOL[dtype])
+    xla = attention.paged_attention_xla(*inp, max_q_len=1)
+    chex.assert_trees_all_close(out.astype(jnp.float32), xla.astype(jnp.float32), **TOL[dtype])
+
+  @parameterized.parameters(
+      dict(dtype=jnp.float32, window=None, cap=None, block_sizes=kernel_triton.BlockSizes()),
+      dict(dtype=jnp.float32, window=5, cap=2.5,
+           block_sizes=kernel_triton.BlockSizes(block_q=2, pages_per_block=4, num_splits=3)),
+      dict(dtype=jnp.bfloat16, window=7, cap=None,
+           block_sizes=kernel_triton.BlockSizes(num_splits=2)),
+  )
+  def test_mixed_prefill_and_decode_in_one_launch(self, dtype, window, cap, block_sizes):
+    # Full prefill, decode, a chunk after a cached prefix, a zero-length padding row.
+    seq_lens, q_lens = [5, 1, 14, 9, 0], [5, 1, 6, 1, 0]
+    inp = testing.random_paged_inputs(3, seq_lens, q_lens=q_lens, page_size=4, num_kv_heads=2,
+                                      q_per_kv=2, head_dim=16, dtype=dtype, pad_tokens=2)
+    kw = dict(sliding_window=window, soft_cap=cap, scale=0.4, max_q_len=6)
+    out = self._kernel(*inp, block_sizes=block_sizes, **kw)
+    chex.assert_trees_all_close(out.astype(jnp.float32), _reference(*inp, **kw).astype(jnp.float32),
+                                **TOL[dtype])
+    np.testing.assert_array_equal(np.asarray(out[-2:], np.float32), 0)   # padding tokens
+
+  def test_splits_merge_exactly_and_lse(self):
+    inp = testing.random_paged_inputs(5, [37, 64, 3], page_size=4, num_kv_heads=1, q_per_kv=4,
+                                      head_dim=16)
+    one, lse_one = self._kernel(*inp, max_q_len=1, return_lse=True,
+                                block_sizes=kernel_triton.BlockSizes(num_splits=1))
+    many, lse_many = self._kernel(*inp, max_q_len=1, return_lse=True,
+                                  block_sizes=kernel_triton.BlockSizes(num_splits=4,
+                                                                       pages_per_block=4))
+    chex.assert_trees_all_close(one, many, **TOL[jnp.float32])
+    _, lse_xla = attention.paged_attention_xla(*inp, max_q_len=1, return_lse=True)
+    chex.assert_trees_all_close(lse_many, lse_xla, **TOL[jnp.float32])
+    chex.assert_trees_all_close(lse_one, lse_xla, **TOL[jnp.float32])
+
+  def test_nan_in_stale_slot_of_last_page(self):
+    # JAX's own GPU kernel turns this NaN into a NaN output; ours must not.
+    inp = testing.random_paged_inputs(9, [6, 3], page_size=4, head_dim=16, poison=False)
+    last = int(inp.block_tables[0, 1])
+    v_pages = inp.v_pages.at[last, 2:].set(jnp.nan)
+    out = self._kernel(inp.q, inp.k_pages, v_pages, *inp[3:], max_q_len=1)
+    chex.assert_trees_all_close(out, _reference(*inp), **TOL[jnp.float32])
+
+  def test_zero_length_row_gives_zeros(self):
+    inp = testing.random_paged_inputs(1, [0, 5], q_lens=[0, 1], page_size=4, head_dim=16,
+                                      pad_tokens=1)
+    out = self._kernel(*inp, max_q_len=1)
+    np.testing.assert_array_equal(np.asarray(out[1:]), 0)
+    self.assertFalse(np.isnan(np.asarray(out)).any())
+
+
+class PagedAttentionKernelInterpretTest(PagedAttentionKernelTest):
+  interpret = True
+
+
+class KernelLoweringTest(parameterized.TestCase):
+  """Lowers the kernel for CUDA on a CPU, so Triton lowering errors surface without a GPU."""
+
+  @parameterized.parameters(
+      dict(max_q_len=1, page_size=16, heads=(32, 8), head_dim=128, dtype=jnp.bfloat16, kw={}),
+      dict(max_q_len=1, page_size=16, heads=(8, 2), head_dim=64, dtype=jnp.float32, kw={}),
+      dict(max_q_len=8, page_size=4, heads=(4, 2), head_dim=80, dtype=jnp.float32,
+           kw=dict(sliding_window=16, soft_cap=30.0)),
+      dict(max_q_len=4, page_size=1, heads=(4, 1), head_dim=96, dtype=jnp.bfloat16, kw={}),
+  )
+  def test_lowers_to_triton(self, max_q_len, page_size, heads, head_dim, dtype, kw):
+    num_q_heads, num_kv_heads = heads
+    num_seqs = 4
+    shape = lambda *s, d=dtype: jax.ShapeDtypeStruct(s, d)
+    args = (shape(num_seqs * max_q_len, num_q_heads, head_dim),
+            shape(64, page_size, num_kv_heads, head_dim), shape(64, page_size, num_kv_heads, head_dim),
+            shape(num_seqs, 16, d=jnp.int32), shape(num_seqs, d=jnp.int32),
+            shape(num_seqs + 1, d=jnp.int32))
+    f = functools.partial(kernel_triton.paged_attention, max_q_len=max_q_len, **kw)
+    ctx = contextlib.nullcontext()
+    if tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11):
+      # jax >= 0.11 refuses to lower for CUDA without a GPU unless under an abstract GPU mesh.
+      device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
+                                           platform="gpu")
+      ctx = jax.sharding.use_abstract_mesh(
+          jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device))
+    with ctx:
+      text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    self.assertIn("ragged_paged_attention", text)
+    self.assertIn("triton", text.lower())
+
+
+class DispatchTest(absltest.TestCase):
+
+  def test_auto_uses_xla_where_the_kernel_cannot_run(self):
+    inp = testing.random_paged_inputs(0, [5, 9], page_size=4, head_dim=16)
+    if attention.kernel_unavailable_reason() is None:
+      self.skipTest("a CUDA GPU >= 8.0 is present: auto picks the kernel")
+    self.assertIn("cpu", attention.kernel_unavailable_reason())
+    chex.assert_trees_all_equal(attention.paged_attention(*inp),
+                                attention.paged_attention_xla(*inp))
+
+  def test_forcing_the_kernel_where_it_cannot_run_is_a_clear_error(self):
+    inp = testing.random_paged_inputs(0, [5], page_size=4, head_dim=16)
+    if attention.kernel_unavailable_reason() is None:
+      self.skipTest("a CUDA GPU >= 8.0 is present")
+    with self.assertRaisesRegex(ValueError, r"impl='pallas' cannot run here: .*Use impl='xla'"):
+      attention.paged_attention(*inp, impl="pallas")
+    out = attention.paged_attention(*inp, impl="pallas", interpret=True)
+    chex.assert_trees_all_close(out, _reference(*inp), **TOL[jnp.float32])
+
+  def test_unknown_impl_and_unsupported_shapes(self):
+    inp = testing.random_paged_inputs(0, [5], page_size=4, head_dim=8)
+    with self.assertRaisesRegex(ValueError, "impl='cuda' is not one of"):
+      attention.paged_attention(*inp, impl="cuda")
+    with self.assertRaisesRegex(ValueError, "head_dim=8 must be a multiple of 16"):
+      kernel_triton.paged_attention(*inp, interpret=True)
+    inp = testing.random_paged_inputs(0, [5], page_size=3, head_dim=16)
+    with self.assertRaisesRegex(ValueError, "page_size=3 must be a power of two"):
+      kernel_triton.paged_attention(*inp, interpret=True)
+
+  def test_block_sizes_validation_and_head_dim_chunks(self):
+    with self.assertRaisesRegex(ValueError, "pages_per_block=3 must be a power of two"):
+      kernel_triton.BlockSizes(pages_per_block=3)
+    with self.assertRaisesRegex(ValueError, "num_splits=0"):
+      kernel_triton.BlockSizes(num_splits=0)
+    self.assertEqual(kernel_triton.head_dim_chunks(80), ((0, 64), (64, 16)))
+    self.assertEqual(kernel_triton.head_dim_chunks(96), ((0, 64), (64, 32)))
+    self.assertEqual(kernel_triton.head_dim_chunks(128), ((0, 128),))
+
+  def test_splits_follow_the_work_size(self):
+    plan = functools.partial(kernel_triton.plan, num_kv_heads=8, group=4, max_q_len=1,
+                             page_size=16, block_sizes=kernel_triton.BlockSizes())
+    few_long = plan(num_seqs=1, max_pages_per_seq=2048)      # 32k tokens, one sequence
+    many_short = plan(num_seqs=128, max_pages_per_seq=32)    # 512 tokens, 128 sequences
+    self.assertGreater(few_long.num_splits, 16)
+    self.assertEqual(many_short.num_splits, 1)
+
+
+if __name__ == "__main__":
+  absltest.main()
