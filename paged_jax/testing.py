@@ -131,3 +131,50 @@ def paged_from_dense(k, v, seq_lens, page_size: int, *, seed: int = 0, poison: b
   k_pages[tables[live]] = kp[live]
   v_pages[tables[live]] = vp[live]
   return k_pages, v_pages, tables
+
+
+def random_params(cfg, seed: int = 0, scale: float = 0.1):
+  """Model parameters with weights ~ normal(scale): varied greedy tokens (the default 0.02 makes a
+  tiny model repeat one token, which hides KV-cache bugs)."""
+  from paged_jax import model   # local: testing must not make the model a dependency of attention
+  params = model.init_params(cfg, seed)
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+  keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+  out = []
+  for (path, leaf), key in zip(leaves, keys):
+    name = jax.tree_util.keystr(path)
+    if "layernorm" in name or "'norm'" in name:
+      out.append(leaf)   # norms stay at one
+    else:
+      out.append((scale * jax.random.normal(key, leaf.shape)).astype(leaf.dtype))
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def dense_greedy(params, cfg, prompt, max_new_tokens: int) -> list[int]:
+  """Greedy decoding with a dense contiguous cache (model.DenseKV): the reference for the paged
+  steps. Prefill in one call, then one token per call."""
+  from paged_jax import model
+  max_len = len(prompt) + max_new_tokens
+  shape = (cfg.num_layers, 1, max_len, cfg.num_kv_heads, cfg.head_dim)
+  cache_k = jnp.zeros(shape, cfg.dtype)
+  cache_v = jnp.zeros(shape, cfg.dtype)
+  apply = jax.jit(lambda p, toks, pos, kv, idx: model.Decoder(cfg).apply({"params": p}, toks, pos,
+                                                                         kv, idx))
+  tokens = list(prompt)
+  out = []
+  start = 0
+  while len(out) < max_new_tokens:
+    new = jnp.asarray(tokens[start:], jnp.int32)
+    n = new.shape[0]
+    kv = model.DenseKV(cache_k, cache_v, seq_ids=jnp.zeros(n, jnp.int32),
+                       positions=jnp.arange(start, start + n, dtype=jnp.int32),
+                       seq_lens=jnp.array([start + n], jnp.int32),
+                       cu_q_lens=jnp.array([0, n], jnp.int32), max_q_len=n)
+    logits, kv = apply(params, new, jnp.arange(start, start + n, dtype=jnp.int32), kv,
+                       jnp.array([n - 1], jnp.int32))
+    cache_k, cache_v = kv.k, kv.v
+    start += n
+    nxt = int(jnp.argmax(logits[0]))
+    out.append(nxt)
+    tokens.append(nxt)
+  return out

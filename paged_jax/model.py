@@ -1,0 +1,166 @@
+"""A Llama-family decoder in Flax (Llama, Qwen2, Mistral) whose attention runs on a KV store.
+
+Layers: RMSNorm -> q/k/v projections (biases for Qwen2) -> rotary embeddings -> write this step's
+K/V and attend -> o_proj -> residual -> RMSNorm -> SwiGLU MLP -> residual; a final RMSNorm and a
+tied or untied LM head. Parameter names follow Hugging Face's (`layers_0/self_attn/q_proj`, ...),
+so checkpoints map one to one (`paged_jax.checkpoint`).
+
+The KV store is a pytree passed in and returned: `PagedKV` (the paged pool and this step's
+`AttentionMetadata`) for the real thing, `DenseKV` (one contiguous cache row per sequence) as the
+reference the paged path is tested against. Both see the same ragged token layout.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from paged_jax import attention
+from paged_jax.config import ModelConfig
+from paged_jax.kv_write import write_kv_layer
+from paged_jax.state import AttentionMetadata, KVPool
+
+
+@flax.struct.dataclass
+class PagedKV:
+  """The paged pool plus this step's metadata. `impl` picks the attention path (static)."""
+  pool: KVPool
+  md: AttentionMetadata
+  impl: str = flax.struct.field(pytree_node=False, default="auto")
+
+  def attend(self, layer: int, q, k, v, *, sliding_window):
+    """Writes K/V of this step's tokens by slot, then paged attention; q: [T, H, D]."""
+    md = self.md
+    pool = self.pool.replace(k=write_kv_layer(self.pool.k, layer, k, md.slots),
+                             v=write_kv_layer(self.pool.v, layer, v, md.slots))
+    o = attention.paged_attention(q, pool.k[layer], pool.v[layer], md.block_tables, md.seq_lens,
+                                  md.cu_q_lens, max_q_len=md.max_q_len,
+                                  sliding_window=sliding_window, impl=self.impl)
+    return o, self.replace(pool=pool)
+
+
+@flax.struct.dataclass
+class DenseKV:
+  """A contiguous cache [num_layers, num_seqs, max_len, K, D]: the reference for the paged path.
+
+  seq_ids/positions: i32[num_tokens] where each query token's K/V goes.
+  """
+  k: jax.Array
+  v: jax.Array
+  seq_ids: jax.Array
+  positions: jax.Array
+  seq_lens: jax.Array
+  cu_q_lens: jax.Array
+  max_q_len: int = flax.struct.field(pytree_node=False, default=1)
+
+  def attend(self, layer: int, q, k, v, *, sliding_window):
+    kc = self.k.at[layer, self.seq_ids, self.positions].set(k.astype(self.k.dtype))
+    vc = self.v.at[layer, self.seq_ids, self.positions].set(v.astype(self.v.dtype))
+    o = attention.dense_attention(q, kc[layer], vc[layer], self.cu_q_lens, self.seq_lens,
+                                  sliding_window=sliding_window, max_q_len=self.max_q_len)
+    return o, self.replace(k=kc, v=vc)
+
+
+def rope(x, positions, theta: float):
+  """Rotary embeddings, Hugging Face's non-interleaved form; x: [T, heads, D], positions: i32[T]."""
+  head_dim = x.shape[-1]
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+  emb = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  rotated = jnp.concatenate([-x2, x1], axis=-1)
+  return (x.astype(jnp.float32) * jnp.cos(emb) + rotated * jnp.sin(emb)).astype(x.dtype)
+
+
+class RMSNorm(nn.Module):
+  eps: float
+  dtype: jnp.dtype
+
+  @nn.compact
+  def __call__(self, x):
+    weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+    return weight * xf.astype(self.dtype)
+
+
+def _dense(features: int, name: str, dtype, bias: bool = False) -> nn.Dense:
+  return nn.Dense(features, use_bias=bias, dtype=dtype, param_dtype=dtype, name=name,
+                  kernel_init=nn.initializers.normal(0.02))
+
+
+class Attention(nn.Module):
+  cfg: ModelConfig
+  layer: int
+
+  @nn.compact
+  def __call__(self, x, positions, kv):
+    cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+    num_tokens = x.shape[0]
+    q = _dense(cfg.num_q_heads * cfg.head_dim, "q_proj", dt, cfg.attention_bias)(x)
+    k = _dense(cfg.num_kv_heads * cfg.head_dim, "k_proj", dt, cfg.attention_bias)(x)
+    v = _dense(cfg.num_kv_heads * cfg.head_dim, "v_proj", dt, cfg.attention_bias)(x)
+    q = rope(q.reshape(num_tokens, cfg.num_q_heads, cfg.head_dim), positions, cfg.rope_theta)
+    k = rope(k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim), positions, cfg.rope_theta)
+    v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+    o, kv = kv.attend(self.layer, q, k, v, sliding_window=cfg.sliding_window)
+    o = _dense(cfg.hidden_size, "o_proj", dt)(o.reshape(num_tokens, -1).astype(dt))
+    return o, kv
+
+
+class MLP(nn.Module):
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x):
+    dt = jnp.dtype(self.cfg.dtype)
+    gate = _dense(self.cfg.intermediate_size, "gate_proj", dt)(x)
+    up = _dense(self.cfg.intermediate_size, "up_proj", dt)(x)
+    return _dense(self.cfg.hidden_size, "down_proj", dt)(nn.silu(gate) * up)
+
+
+class Decoder(nn.Module):
+  """tokens i32[num_tokens] (ragged, as in AttentionMetadata) -> logits f32[num_out, vocab_size]."""
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, tokens, positions, kv, logits_indices=None):
+    """Args:
+      tokens, positions: i32[num_tokens].
+      kv: PagedKV or DenseKV; returned updated.
+      logits_indices: i32[num_out] tokens whose logits to return (default: all).
+
+    Returns:
+      (f32[num_out, vocab_size] logits, kv).
+    """
+    cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+    embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dt, param_dtype=dt,
+                     name="embed_tokens", embedding_init=nn.initializers.normal(0.02))
+    x = embed(tokens)
+    for i in range(cfg.num_layers):
+      h = RMSNorm(cfg.rms_norm_eps, dt, name=f"layers_{i}_input_layernorm")(x)
+      h, kv = Attention(cfg, i, name=f"layers_{i}_self_attn")(h, positions, kv)
+      x = x + h
+      h = RMSNorm(cfg.rms_norm_eps, dt, name=f"layers_{i}_post_attention_layernorm")(x)
+      x = x + MLP(cfg, name=f"layers_{i}_mlp")(h)
+    x = RMSNorm(cfg.rms_norm_eps, dt, name="norm")(x)
+    if logits_indices is not None:
+      x = x[logits_indices]
+    if cfg.tie_embeddings:
+      logits = embed.attend(x)
+    else:
+      logits = _dense(cfg.vocab_size, "lm_head", dt)(x)
+    return logits.astype(jnp.float32), kv
+
+
+def init_params(cfg: ModelConfig, seed: int = 0):
+  """Random parameters (normal(0.02) weights, unit norms) for a config."""
+  pool = KVPool.create(num_layers=cfg.num_layers, num_pages=2, page_size=1,
+                       num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=cfg.dtype)
+  md = AttentionMetadata(block_tables=jnp.ones((1, 1), jnp.int32), seq_lens=jnp.ones(1, jnp.int32),
+                         cu_q_lens=jnp.array([0, 1], jnp.int32), slots=jnp.ones(1, jnp.int32))
+  kv = PagedKV(pool, md, impl="xla")
+  return Decoder(cfg).init(jax.random.key(seed), jnp.zeros(1, jnp.int32),
+                           jnp.zeros(1, jnp.int32), kv)["params"]
