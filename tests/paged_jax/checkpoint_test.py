@@ -1,0 +1,176 @@
+"""Checkpoint loading, and exactness against Hugging Face transformers (PyTorch, CPU, f32).
+
+The cross-checks skip where torch or transformers is missing; `.ci/run` installs both (the CPU
+torch wheel), so CI runs them.
+"""
+
+import json
+import os
+import shutil
+import tempfile
+
+from absl.testing import absltest, parameterized
+import chex
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax import checkpoint, config, generate, model, testing
+
+try:
+  import torch
+  import transformers
+except ImportError:   # pragma: no cover - CI installs both
+  torch = transformers = None
+
+_PROMPTS = ([5], [3, 14, 15, 9, 2, 6], [7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9, 0])
+
+
+def _hf_model(family: str, **overrides):
+  torch.manual_seed(0)
+  common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                initializer_range=0.1)   # 0.02 makes a tiny random model repeat one token
+  common.update(overrides)
+  cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[family]
+  return cls[1](cls[0](**common)).eval()
+
+
+def _our_logits(params, cfg, prompt):
+  n = len(prompt)
+  shape = (cfg.num_layers, 1, n, cfg.num_kv_heads, cfg.head_dim)
+  kv = model.DenseKV(jnp.zeros(shape), jnp.zeros(shape), jnp.zeros(n, jnp.int32),
+                     jnp.arange(n, dtype=jnp.int32), jnp.array([n], jnp.int32),
+                     jnp.array([0, n], jnp.int32), max_q_len=n)
+  logits, _ = model.Decoder(cfg).apply({"params": params}, jnp.asarray(prompt, jnp.int32),
+                                       jnp.arange(n, dtype=jnp.int32), kv)
+  return np.asarray(logits)
+
+
+@absltest.skipIf(torch is None, "torch / transformers not installed")
+class HuggingFaceExactnessTest(parameterized.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.dir = tempfile.mkdtemp()
+    self.addCleanup(shutil.rmtree, self.dir)
+
+  @parameterized.named_parameters(
+      ("llama_gqa", "llama", {}),
+      ("llama_tied", "llama", dict(tie_word_embeddings=True)),
+      ("qwen2_bias", "qwen2", {}),
+      ("mistral_window", "mistral", dict(sliding_window=4)),
+  )
+  def test_logits_match(self, family, overrides):
+    hf = _hf_model(family, **overrides)
+    hf.save_pretrained(self.dir)
+    params, cfg, _ = checkpoint.load_checkpoint(self.dir)
+    if family == "mistral":
+      self.assertEqual(cfg.sliding_window, 4)
+    if family == "qwen2":
+      self.assertTrue(cfg.attention_bias)
+    for prompt in _PROMPTS:
+      with torch.no_grad():
+        expected = hf(torch.tensor([prompt])).logits[0].numpy()
+      np.testing.assert_allclose(_our_logits(params, cfg, prompt), expected, atol=1e-4, rtol=1e-4)
+
+  @parameterized.parameters("llama", "mistral")
+  def test_greedy_tokens_match_paged(self, family):
+    hf = _hf_model(family, **({"sliding_window": 6} if family == "mistral" else {}))
+    hf.save_pretrained(self.dir)
+    params, cfg, _ = checkpoint.load_checkpoint(self.dir)
+    g = generate.Generator(params, cfg, num_pages=64, page_size=4, impl="xla")
+    ours = g.generate([list(p) for p in _PROMPTS], max_new_tokens=10)
+    for prompt, got in zip(_PROMPTS, ours):
+      with torch.no_grad():
+        ids = torch.tensor([prompt])
+        # An explicit mask: generate() would otherwise treat tokens equal to pad_token_id as
+        # padding (a prompt here contains token 0).
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10,
+                          do_sample=False, pad_token_id=0)
+      self.assertEqual(got, out[0, len(prompt):].tolist(), f"prompt {prompt}")
+
+  def test_bfloat16_load(self):
+    _hf_model("llama").save_pretrained(self.dir)
+    params, cfg, _ = checkpoint.load_checkpoint(self.dir, dtype="bfloat16")
+    self.assertEqual(cfg.dtype, "bfloat16")
+    self.assertEqual(params["layers_0_self_attn"]["q_proj"]["kernel"].dtype, jnp.bfloat16)
+
+
+class CheckpointErrorsTest(absltest.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.dir = tempfile.mkdtemp()
+    self.addCleanup(shutil.rmtree, self.dir)
+    self.cfg = config.tiny_config()
+    self.params = testing.random_params(self.cfg)
+    checkpoint.save_checkpoint(self.params, self.cfg, self.dir)
+
+  def test_round_trip(self):
+    params, cfg, tokenizer = checkpoint.load_checkpoint(self.dir)
+    self.assertEqual(cfg, self.cfg)
+    self.assertIsNone(tokenizer)
+    chex.assert_trees_all_equal(params, self.params)
+
+  def test_missing_files(self):
+    with self.assertRaisesRegex(checkpoint.CheckpointError, "is not a directory"):
+      checkpoint.load_checkpoint(os.path.join(self.dir, "nope"))
+    os.remove(os.path.join(self.dir, "model.safetensors"))
+    with self.assertRaisesRegex(checkpoint.CheckpointError, r"no \*.safetensors file"):
+      checkpoint.load_checkpoint(self.dir)
+    os.remove(os.path.join(self.dir, "config.json"))
+    with self.assertRaisesRegex(checkpoint.CheckpointError, "missing config.json"):
+      checkpoint.load_checkpoint(self.dir)
+
+  def _edit_config(self, **changes):
+    file = os.path.join(self.dir, "config.json")
+    with open(file) as f:
+      hf = json.load(f)
+    hf.update(changes)
+    with open(file, "w") as f:
+      json.dump(hf, f)
+
+  def test_unsupported_architecture_and_rope(self):
+    self._edit_config(architectures=["GPT2LMHeadModel"])
+    with self.assertRaisesRegex(checkpoint.CheckpointError, "unsupported architecture 'GPT2LMHeadModel'"):
+      checkpoint.load_checkpoint(self.dir)
+    self._edit_config(architectures=["LlamaForCausalLM"], rope_scaling={"rope_type": "llama3"})
+    with self.assertRaisesRegex(checkpoint.CheckpointError, "RoPE scaling"):
+      checkpoint.load_checkpoint(self.dir)
+
+  def test_wrong_shape_and_missing_tensor(self):
+    self._edit_config(intermediate_size=48)
+    with self.assertRaisesRegex(checkpoint.CheckpointError, r"has shape \(32, 64\); the config needs \(32, 48\)"):
+      checkpoint.load_checkpoint(self.dir)
+    self._edit_config(intermediate_size=64, num_hidden_layers=3)
+    with self.assertRaisesRegex(checkpoint.CheckpointError, "missing tensors for.*layers_2"):
+      checkpoint.load_checkpoint(self.dir)
+
+  def test_wrong_dtype_and_unexpected_tensor(self):
+    from safetensors.numpy import load_file, save_file
+    file = os.path.join(self.dir, "model.safetensors")
+    tensors = load_file(file)
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].astype(np.int32)
+    save_file(tensors, file)
+    with self.assertRaisesRegex(checkpoint.CheckpointError, "'model.norm.weight' has dtype int32"):
+      checkpoint.load_checkpoint(self.dir)
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].astype(np.float32)
+    tensors["model.vision_tower.weight"] = np.zeros(3, np.float32)
+    save_file(tensors, file)
+    with self.assertRaisesRegex(checkpoint.CheckpointError, "unexpected tensor 'model.vision_tower.weight'"):
+      checkpoint.load_checkpoint(self.dir)
+
+  def test_truncated_safetensors(self):
+    file = os.path.join(self.dir, "model.safetensors")
+    with open(file, "rb") as f:
+      data = f.read()
+    with open(file, "wb") as f:
+      f.write(data[:len(data) // 2])
+    with self.assertRaisesRegex(checkpoint.CheckpointError, "cannot read safetensors"):
+      checkpoint.load_checkpoint(self.dir)
+
+
+if __name__ == "__main__":
+  absltest.main()
