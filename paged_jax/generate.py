@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 from typing import Sequence
 
 import jax
@@ -51,6 +52,9 @@ class GenerationStats:
   preemptions: int = 0
   cow_copies: int = 0
   max_pages_in_use: int = 0
+  prefill_s: float = 0.0       # wall time of prefill steps (host batch building + device)
+  decode_device_s: float = 0.0  # wall time from launching multi_step_decode to its tokens on host
+  decode_host_s: float = 0.0    # block manager + batch building around those launches
 
 
 _sample = jax.jit(sample, static_argnames=("cfg",))
@@ -90,6 +94,7 @@ class Generator:
     self.stats = GenerationStats()
     self._last_logits: dict[int, jax.Array] = {}   # rid -> logits of its prompt's last token
     self._copies: list[tuple[int, int]] = []        # copy-on-write pairs not yet applied
+    self._next_rid = 0                              # sequence ids are never reused
 
   # ------------------------------------------------------------------------------ public
 
@@ -108,7 +113,7 @@ class Generator:
       if bad:
         raise ValueError(f"prompt {i} has token ids outside [0, {self.cfg.vocab_size}): {bad[:5]}")
     self.eos_id = eos_id
-    base = max(self.bm._seqs, default=-1) + 1 if self.bm._seqs else 0
+    base, self._next_rid = self._next_rid, self._next_rid + len(prompts) * n
     reqs = [_Request(base + i * n, list(map(int, p)), max_new_tokens) for i, p in enumerate(prompts)]
     self.n = n
     self._children = {r.rid: [r.rid + j for j in range(1, n)] for r in reqs}
@@ -149,6 +154,7 @@ class Generator:
   def _prefill(self, rids: list[int]) -> list[int]:
     """One prefill step over the uncomputed prompt tokens of `rids` (within the token budget).
     Returns the rids whose prompt is now fully computed."""
+    t0 = time.perf_counter()
     budget = self.max_prefill_tokens or sum(self.bm.num_tokens(r) for r in rids)
     rows = []
     for rid in rids:
@@ -175,6 +181,8 @@ class Generator:
       if stop == self.bm.num_tokens(rid):
         finished.append(rid)
         self._last_logits[rid] = logits[i]
+    jax.block_until_ready(logits)
+    self.stats.prefill_s += time.perf_counter() - t0
     return finished
 
   def _start_decoding(self, rid: int) -> list[int]:
@@ -229,6 +237,7 @@ class Generator:
 
   def _decode(self) -> None:
     """Reserves k slots per decoding sequence, runs k decode steps, accepts the tokens."""
+    t0 = time.perf_counter()
     for rid in list(self._decoding):
       if rid in self._decoding:   # an earlier reservation may have preempted it
         self._grow(rid, lambda: self.bm.reserve(rid, self.k), ())
@@ -249,10 +258,12 @@ class Generator:
     state = step.DecodeState(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(tables),
                              jnp.asarray(np.arange(num_rows) < len(live)))
     self.key, key = jax.random.split(self.key)
+    t1 = time.perf_counter()
     out, self.pool = step.multi_step_decode(self.params, self.pool, state, key, cfg=self.cfg,
                                             num_steps=self.k, sampling=self.sampling,
                                             impl=self.impl)
     out = np.asarray(out)   # the one host sync per k tokens
+    t2 = time.perf_counter()
     self.stats.decode_rounds += 1
     for i, rid in enumerate(live):
       self.bm.mark_computed(rid, self.bm.num_tokens(rid))   # the pending token is now written
@@ -260,6 +271,8 @@ class Generator:
       self._accept(rid, out[:, i].tolist())   # within the reserved slots: never allocates
       if rid in self._decoding:
         self.bm.mark_computed(rid, self.bm.num_tokens(rid) - 1)   # all but the new last token
+    self.stats.decode_device_s += t2 - t1
+    self.stats.decode_host_s += (t1 - t0) + (time.perf_counter() - t2)
 
   def _apply_copies(self) -> None:
     if not self._copies:

@@ -1,8 +1,10 @@
 """Every experiment's importable run(config) on a tiny config: it runs, checks itself, reports."""
 
 from absl.testing import absltest
+import numpy as np
 
-from experiments import allocator_waste, attention_bench, block_manager_bench, demo
+from experiments import (allocator_waste, attention_bench, block_manager_bench, copy_eval, demo,
+                         step_bench, train_copy_model)
 
 
 class ExperimentsTest(absltest.TestCase):
@@ -67,6 +69,33 @@ class ExperimentsTest(absltest.TestCase):
       self.assertLessEqual(by[name]["mean_batch"], by["paged"]["mean_batch"])
     # Oracle reserves exactly the final length: never less than what it stores.
     self.assertLessEqual(by["oracle"]["token_state_fraction"], 1.0)
+
+  def test_step_bench(self):
+    cfg = step_bench.StepBenchConfig(batch=2, steps_per_sync=4, prompt_len=9, new_tokens=6,
+                                     page_size=4, impl="xla", num_layers=1, hidden_size=32,
+                                     num_q_heads=4, num_kv_heads=2, vocab_size=64)
+    r = step_bench.run(cfg)
+    self.assertGreater(r["prefill_tokens_per_s"], 0)
+    self.assertGreater(r["decode_tokens_per_s"], 0)
+    self.assertEqual(r["decode_rounds"], 2)   # 5 decode tokens at 4 per sync
+    self.assertTrue(0 < r["host_share_of_decode"] < 1)
+
+  def test_embedded_copy_model_is_accurate_with_paged_decoding(self):
+    # Small pages and a small pool: sequences cross many page boundaries and get preempted; a
+    # paging bug would show up as wrong letters.
+    r = copy_eval.run(copy_eval.EvalConfig(num_prompts=24, page_size=4, num_pages=60,
+                                           steps_per_sync=8, impl="xla", dense_check=2))
+    self.assertTrue(r["dense_agrees"])
+    self.assertGreaterEqual(r["accuracy"], 0.9)
+
+  def test_copy_task_data(self):
+    rng = np.random.default_rng(0)
+    tokens, mask = train_copy_model.sample_batch(rng, train_copy_model.TrainConfig(max_len=6), 3)
+    for row, m in zip(tokens, mask):
+      n = int(m.sum()) - 1
+      self.assertEqual(row[0], train_copy_model.BOS)
+      np.testing.assert_array_equal(row[1:n + 1], row[n + 2:2 * n + 2])   # the copy
+      self.assertEqual(row[2 * n + 2], train_copy_model.EOS)
 
 
 if __name__ == "__main__":
