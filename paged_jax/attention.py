@@ -65,11 +65,19 @@ def merge_states(o_a, lse_a, o_b, lse_b) -> tuple[jax.Array, jax.Array]:
   return o.astype(o_a.dtype), lse
 
 
-def _blocked_attention(fetch: Callable[[jax.Array], tuple[jax.Array, jax.Array]], num_blocks,
+def _blocked_attention(fetch: Callable[[jax.Array], tuple[jax.Array, jax.Array]], max_blocks: int,
                        block_tokens: int, num_kv_heads: int, q, seq_lens, cu_q_lens, *, max_q_len,
                        scale, sliding_window, soft_cap, return_lse):
-  """Online softmax over key blocks: fetch(j) -> (k, v) dtype[B, block_tokens, K, D]."""
+  """Online softmax over key blocks: fetch(j) -> (k, v) dtype[B, block_tokens, K, D].
+
+  The loop runs ceil(max(seq_lens) / block_tokens) times (at most max_blocks): work follows the
+  longest sequence in the batch, not the table's capacity.
+  """
   num_tokens, num_q_heads, head_dim = q.shape
+  max_q_len = num_tokens if max_q_len is None else max_q_len
+  scale = head_dim ** -0.5 if scale is None else scale
+  num_blocks = jnp.minimum((jnp.max(seq_lens, initial=0) + block_tokens - 1) // block_tokens,
+                           max_blocks)
   num_seqs = seq_lens.shape[0]
   group = num_q_heads // num_kv_heads
   q_padded, q_pos, q_valid = ragged_to_padded(q, cu_q_lens, seq_lens, max_q_len)
@@ -102,12 +110,6 @@ def _blocked_attention(fetch: Callable[[jax.Array], tuple[jax.Array, jax.Array]]
   lse = padded_to_ragged(lse.transpose(0, 3, 1, 2).reshape(num_seqs, max_q_len, num_q_heads),
                          cu_q_lens, num_tokens)
   return o, jnp.where(jnp.arange(num_tokens)[:, None] < cu_q_lens[-1], lse, -jnp.inf)
-
-
-def _num_blocks(seq_lens, block_tokens: int, max_blocks: int):
-  """Loop trip count: enough blocks for the longest sequence in this batch, not the capacity."""
-  longest = jnp.max(seq_lens, initial=0)
-  return jnp.minimum((longest + block_tokens - 1) // block_tokens, max_blocks)
 
 
 IMPLS = ("auto", "xla", "pallas")
@@ -213,11 +215,9 @@ def paged_attention_xla(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, 
     return k_pages[pages].reshape(shape), v_pages[pages].reshape(shape)
 
   return _blocked_attention(
-      fetch, _num_blocks(seq_lens, block_tokens, max_blocks), block_tokens, k_pages.shape[2],
-      q, seq_lens, cu_q_lens,
-      max_q_len=q.shape[0] if max_q_len is None else max_q_len,
-      scale=q.shape[-1] ** -0.5 if scale is None else scale,
-      sliding_window=sliding_window, soft_cap=soft_cap, return_lse=return_lse)
+      fetch, max_blocks, block_tokens, k_pages.shape[2], q, seq_lens, cu_q_lens,
+      max_q_len=max_q_len, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+      return_lse=return_lse)
 
 
 @functools.partial(jax.jit, static_argnames=("max_q_len", "scale", "sliding_window", "soft_cap",
@@ -252,11 +252,9 @@ def contiguous_attention(q, k, v, seq_lens, cu_q_lens, *, max_q_len: int | None 
             jax.lax.dynamic_slice_in_dim(v, j * block_tokens, block_tokens, axis=1))
 
   return _blocked_attention(
-      fetch, _num_blocks(seq_lens, block_tokens, max_blocks), block_tokens, k.shape[2],
-      q, seq_lens, cu_q_lens,
-      max_q_len=q.shape[0] if max_q_len is None else max_q_len,
-      scale=q.shape[-1] ** -0.5 if scale is None else scale,
-      sliding_window=sliding_window, soft_cap=soft_cap, return_lse=return_lse)
+      fetch, max_blocks, block_tokens, k.shape[2], q, seq_lens, cu_q_lens,
+      max_q_len=max_q_len, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+      return_lse=return_lse)
 
 
 def validate_attention_inputs(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens) -> None:
