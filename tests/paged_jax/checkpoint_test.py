@@ -162,6 +162,17 @@ class CheckpointErrorsTest(absltest.TestCase):
     with self.assertRaisesRegex(checkpoint.CheckpointError, "unexpected tensor 'model.vision_tower.weight'"):
       checkpoint.load_checkpoint(self.dir)
 
+  def test_embedded_model_and_its_tokenizer(self):
+    from paged_jax import embedded
+    params, cfg, tokenizer = embedded.load_embedded()
+    self.assertEqual(cfg.vocab_size, 32)
+    self.assertEqual(tokenizer.encode("a b z").ids, [4, 5, 29])   # after 4 special tokens
+    self.assertEqual(tokenizer.decode([4, 5, 29]), "a b z")
+    with open(os.path.join(self.dir, "tokenizer.json"), "w") as f:
+      f.write("{not json")
+    with self.assertRaisesRegex(checkpoint.CheckpointError, "cannot read the tokenizer"):
+      checkpoint.load_checkpoint(self.dir)
+
   def test_truncated_safetensors(self):
     file = os.path.join(self.dir, "model.safetensors")
     with open(file, "rb") as f:
