@@ -67,6 +67,8 @@ class BenchConfig:
   rounds: int = 5
   iters: int = 5
   interpret: bool = False       # run the kernels through Pallas' interpreter (CPU smoke tests)
+  table_order: str = "shuffled"  # "shuffled" (worst case) or "sequential" (each sequence's pages
+                                 # consecutive, as an allocator serving whole prompts hands them out)
 
   @property
   def mode(self) -> str:
@@ -107,8 +109,11 @@ def make_inputs(cfg: BenchConfig) -> dict:
   v = jax.random.normal(kv, shape, dtype)
   pages_per_seq = cfg.seq_len // cfg.page_size
   num_live = cfg.num_seqs * pages_per_seq
-  tables = (1 + jax.random.permutation(kp, num_live)).astype(jnp.int32).reshape(
-      cfg.num_seqs, pages_per_seq)
+  if cfg.table_order not in ("shuffled", "sequential"):
+    raise ValueError(f"table_order={cfg.table_order!r} must be 'shuffled' or 'sequential'")
+  ids = jnp.arange(num_live) if cfg.table_order == "sequential" else jax.random.permutation(
+      kp, num_live)
+  tables = (1 + ids).astype(jnp.int32).reshape(cfg.num_seqs, pages_per_seq)
   page_shape = (num_live, cfg.page_size, cfg.num_kv_heads, cfg.head_dim)
   as_pages = lambda x: jnp.full((num_live + 1,) + page_shape[1:], jnp.nan, dtype).at[
       tables.reshape(-1)].set(x.reshape(page_shape))
@@ -230,7 +235,8 @@ def format_records(records: Sequence[dict]) -> str:
   lines = []
   for r in records:
     ratio = f"{r['ratio_vs_baseline']:.2f}x" if r["ratio_vs_baseline"] else "-"
-    lines.append(f"{r['mode']:7s} B={r['num_seqs']:<3d} T={r['seq_len']:<5d} {r['impl']:16s} "
+    lines.append(f"{r['mode']:7s} B={r['num_seqs']:<3d} T={r['seq_len']:<5d} {r['table_order'][:4]} "
+                 f"{r['impl']:16s} "
                  f"{r['ms']:8.3f} ms  {r['kv_gb_per_s']:7.1f} GB/s  "
                  f"{r['fraction_of_copy_bw']:5.2f} of copy  {ratio:>6s} vs {r['baseline']}  "
                  f"err {r['max_abs_err']:.1e}  compile {r['compile_s']:.2f}s")
@@ -265,7 +271,7 @@ def main(argv):
   common = dict(page_size=_PAGE_SIZE.value, num_q_heads=pick(_NUM_Q_HEADS, "num_q_heads"),
                 num_kv_heads=pick(_NUM_KV_HEADS, "num_kv_heads"),
                 head_dim=pick(_HEAD_DIM, "head_dim"), dtype=pick(_DTYPE, "dtype"),
-                block_tokens=_BLOCK_TOKENS.value, impls=impls,
+                block_tokens=_BLOCK_TOKENS.value, impls=impls, table_order=_TABLE_ORDER.value,
                 baseline=_BASELINE.value or preset["baseline"], rounds=_ROUNDS.value,
                 iters=_ITERS.value)
   configs = []
@@ -315,6 +321,8 @@ if __name__ == "__main__":
                                        "Keys per loop iteration of the blocked XLA paths.")
   _IMPLS = flags.DEFINE_list("impls", None, f"Paths to time, from {ALL_IMPLS}.")
   _BASELINE = flags.DEFINE_string("baseline", None, "Path the ratios are relative to.")
+  _TABLE_ORDER = flags.DEFINE_enum("table_order", "shuffled", ["shuffled", "sequential"],
+                                   "Page order in the block tables.")
   _ROUNDS = flags.DEFINE_integer("rounds", 5, "Interleaved timing rounds (median is reported).")
   _ITERS = flags.DEFINE_integer("iters", 5, "Calls per round.")
   _OUT = flags.DEFINE_string("out", "experiments/results/attention_bench.jsonl", "JSONL to append to.")

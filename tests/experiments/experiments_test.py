@@ -28,6 +28,12 @@ class ExperimentsTest(absltest.TestCase):
       self.assertLessEqual(r["max_abs_err"], 1e-5)
       self.assertGreater(r["ms"], 0)
     self.assertEqual(records[1]["ratio_vs_baseline"], 1.0)
+    sequential = attention_bench.run(
+        attention_bench.BenchConfig(**{**cfg.__dict__, "table_order": "sequential"}),
+        copy_bytes_per_s=1e9)
+    self.assertTrue(all(r["max_abs_err"] <= 1e-5 for r in sequential))
+    with self.assertRaisesRegex(ValueError, "table_order='random'"):
+      attention_bench.run(attention_bench.BenchConfig(table_order="random"), copy_bytes_per_s=1e9)
     with self.assertRaisesRegex(ValueError, "not available"):
       attention_bench.run(attention_bench.BenchConfig(impls=("nope",)), copy_bytes_per_s=1e9)
 
