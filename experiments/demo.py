@@ -13,7 +13,6 @@ import time
 
 from absl import app, flags
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from paged_jax import attention, testing

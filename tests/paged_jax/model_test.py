@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax import config, generate, model, step, testing
+from paged_jax import config, generate, step, testing
 from paged_jax.sampling import SamplingConfig, sample
 
 CFG = config.tiny_config()
