@@ -4,11 +4,12 @@ state, and the effect of multi-step decode (k decode steps per host sync).
   python -m experiments.step_bench
   python -m experiments.step_bench --batches=1,16,64 --ks=1,4,16 --prompt_len=128 --new_tokens=64
 
-For each batch size B and k it runs `Generator.generate` on B random prompts twice with the same
-shapes: the first call compiles (its extra time is reported as compile time), the second is the
-steady state. Prefill tokens/s = prompt tokens / prefill wall time; decode tokens/s = generated
-tokens / decode wall time, split into device time (launch to tokens on the host) and host time
-(block manager, batch building), so the host's share of a decode step is visible. The model is a
+For each batch size B and k it runs `Generator.generate` (the engine) on B random prompts twice
+with the same shapes: the first call compiles (its extra time is reported as compile time), the
+second is the steady state. Prefill tokens/s = prompt tokens / device time of the prefill steps;
+decode tokens/s = tokens of decode-only steps / their wall time, split into device time (launch to
+tokens on the host) and host time (scheduler, block manager, batch building, outputs), so the
+host's share of a decode step is visible. The model is a
 random Llama-shaped config by default (or --model, an HF-format directory), f32, XLA attention on CPU.
 """
 
@@ -67,15 +68,14 @@ def run(cfg: StepBenchConfig, model=None) -> dict:
                     steps_per_sync=cfg.steps_per_sync, max_batch=cfg.batch, impl=cfg.impl,
                     enable_prefix_caching=False)
     t = time.perf_counter()
-    outs = gen.generate(prompts, cfg.new_tokens)
+    gen.generate(prompts, cfg.new_tokens)
     timings.append((time.perf_counter() - t, gen.stats))
   (first, _), (steady, s) = timings
-  generated = sum(len(o) for o in outs)
-  decode_s = s.decode_device_s + s.decode_host_s
+  decode_s = s.decode_s + s.decode_host_s
   return {**dataclasses.asdict(cfg), "compile_s": first - steady, "steady_s": steady,
           "prefill_tokens_per_s": s.prefill_tokens / s.prefill_s,
-          "decode_tokens_per_s": (generated - cfg.batch) / decode_s,   # first tokens: prefill's
-          "decode_ms_per_step": 1e3 * decode_s / (s.decode_rounds * cfg.steps_per_sync),
+          "decode_tokens_per_s": s.decode_tokens / decode_s,
+          "decode_ms_per_step": 1e3 * decode_s / s.decode_steps,
           "host_share_of_decode": s.decode_host_s / decode_s,
           "decode_rounds": s.decode_rounds, "jax": jax.__version__,
           "device": jax.devices()[0].device_kind}

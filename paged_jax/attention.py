@@ -38,7 +38,8 @@ from paged_jax.state import NULL_PAGE
 
 __all__ = ["Summary", "block_summary", "merge_summaries", "finalize", "merge_states",
            "dense_attention", "paged_attention_reference", "paged_attention", "paged_attention_xla",
-           "kernel_unavailable_reason", "IMPLS",
+           "kernel_unavailable_reason", "IMPLS", "causal_ragged_attention", "prefill_attention",
+           "step_attention", "DEFAULT_TILE_TOKENS",
            "contiguous_attention", "validate_attention_inputs", "DEFAULT_BLOCK_TOKENS"]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -67,16 +68,18 @@ def merge_states(o_a, lse_a, o_b, lse_b) -> tuple[jax.Array, jax.Array]:
 
 def _blocked_attention(fetch: Callable[[jax.Array], tuple[jax.Array, jax.Array]], max_blocks: int,
                        block_tokens: int, num_kv_heads: int, q, seq_lens, cu_q_lens, *, max_q_len,
-                       scale, sliding_window, soft_cap, return_lse):
+                       scale, sliding_window, soft_cap, return_lse, kv_lens=None):
   """Online softmax over key blocks: fetch(j) -> (k, v) dtype[B, block_tokens, K, D].
 
-  The loop runs ceil(max(seq_lens) / block_tokens) times (at most max_blocks): work follows the
-  longest sequence in the batch, not the table's capacity.
+  Queries sit at positions seq_len - q_len + i; keys at positions >= kv_lens (default seq_lens)
+  are not read. The loop runs ceil(max(kv_lens) / block_tokens) times (at most max_blocks): work
+  follows the longest sequence in the batch, not the table's capacity.
   """
   num_tokens, num_q_heads, head_dim = q.shape
   max_q_len = num_tokens if max_q_len is None else max_q_len
   scale = head_dim ** -0.5 if scale is None else scale
-  num_blocks = jnp.minimum((jnp.max(seq_lens, initial=0) + block_tokens - 1) // block_tokens,
+  kv_lens = seq_lens if kv_lens is None else kv_lens
+  num_blocks = jnp.minimum((jnp.max(kv_lens, initial=0) + block_tokens - 1) // block_tokens,
                            max_blocks)
   num_seqs = seq_lens.shape[0]
   group = num_q_heads // num_kv_heads
@@ -87,14 +90,14 @@ def _blocked_attention(fetch: Callable[[jax.Array], tuple[jax.Array, jax.Array]]
   def body(j, acc: Summary) -> Summary:
     k, v = fetch(j)
     kv_pos = j * block_tokens + jnp.arange(block_tokens, dtype=jnp.int32)
-    kv_valid = kv_pos[None, :] < seq_lens[:, None]
+    kv_valid = kv_pos[None, :] < kv_lens[:, None]
     # Mask V, not only the scores: p = 0 times a NaN in a stale slot is still NaN. A NaN in K
     # only reaches a score, which the -inf mask below replaces.
     v = jnp.where(kv_valid[..., None, None], v, 0).astype(jnp.float32)
     s = jnp.einsum("bqkgd,btkd->bkgqt", qg, k.astype(jnp.float32), precision=_HIGHEST)
     if soft_cap is not None:
       s = soft_cap * jnp.tanh(s / soft_cap)
-    mask = attention_mask(q_pos, q_valid, kv_pos, seq_lens, sliding_window)
+    mask = attention_mask(q_pos, q_valid, kv_pos, kv_lens, sliding_window)
     s = jnp.where(mask[:, None, None], s, -jnp.inf)
     return merge_summaries(acc, block_summary(s, v, "bkgqt,btkd->bkgqd"))
 
@@ -176,7 +179,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
 def paged_attention_xla(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
                         max_q_len: int | None = None, scale: float | None = None,
                         sliding_window: int | None = None, soft_cap: float | None = None,
-                        pages_per_block: int | None = None, return_lse: bool = False):
+                        pages_per_block: int | None = None, return_lse: bool = False,
+                        kv_lens: jax.Array | None = None):
   """Ragged paged attention in plain JAX/XLA, by blocked softmax merging over groups of pages.
 
   Args:
@@ -193,6 +197,9 @@ def paged_attention_xla(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, 
     soft_cap: if set, scores become soft_cap * tanh(scores / soft_cap).
     pages_per_block: pages read per loop iteration; default DEFAULT_BLOCK_TOKENS // page_size.
     return_lse: also return f32[num_tokens, num_q_heads] log-sum-exp (natural log).
+    kv_lens: i32[num_seqs] optional: read only keys at positions < kv_lens (default seq_lens),
+      e.g. a prefill chunk over its cached prefix alone (`prefill_attention`). Query positions
+      still come from seq_lens.
 
   Returns:
     dtype[num_tokens, num_q_heads, head_dim] (and lse if asked). Values are validated only by
@@ -217,7 +224,167 @@ def paged_attention_xla(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, 
   return _blocked_attention(
       fetch, max_blocks, block_tokens, k_pages.shape[2], q, seq_lens, cu_q_lens,
       max_q_len=max_q_len, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
-      return_lse=return_lse)
+      return_lse=return_lse, kv_lens=kv_lens)
+
+
+# Query tokens per tile of `causal_ragged_attention`; each tile also reads the tiles before it
+# that its rows can reach (ceil((max_q_len - 1) / tile) of them).
+DEFAULT_TILE_TOKENS = 64
+
+
+def causal_ragged_attention(q, k, v, cu_q_lens, *, max_q_len: int, scale: float | None = None,
+                            sliding_window: int | None = None, soft_cap: float | None = None,
+                            tile_tokens: int = DEFAULT_TILE_TOKENS):
+  """Causal attention of ragged rows over their own keys only (a prompt with no cached prefix).
+
+  Row b's tokens cu_q_lens[b]:cu_q_lens[b+1] are both its queries and its keys. The token axis
+  is cut into tiles of `tile_tokens` queries; a tile attends to itself and to the tiles before
+  it that hold keys of its rows (at most ceil((max_q_len - 1) / tile) of them, fewer when the
+  batch's longest row is shorter), with masks keeping each query inside its own row, causal and
+  within the window. Work is ~ num_tokens x (max row length + tile), not num_rows x max_q_len^2,
+  and no K/V is read back from the pool. Blocks merge by the (m, z, u) rule.
+
+  Args:
+    q: dtype[num_tokens, num_q_heads, head_dim], ragged; tokens past cu_q_lens[-1] are padding.
+    k: dtype[num_tokens, num_kv_heads, head_dim] this step's keys, same layout; v the same.
+    cu_q_lens: i32[num_seqs + 1].
+    max_q_len: static bound on any row's length (fixes how far back a tile may look).
+    scale, sliding_window, soft_cap: as in `paged_attention_xla`.
+    tile_tokens: static tile size.
+
+  Returns:
+    (o dtype[num_tokens, num_q_heads, head_dim], lse f32[num_tokens, num_q_heads]); padding
+    tokens get zeros and -inf.
+  """
+  num_tokens, num_q_heads, head_dim = q.shape
+  num_kv_heads = k.shape[1]
+  group = num_q_heads // num_kv_heads
+  scale = head_dim ** -0.5 if scale is None else scale
+  tile = max(1, min(tile_tokens, num_tokens))
+  num_tiles = -(-num_tokens // tile)
+  lookback = -(-(max(max_q_len, 1) - 1) // tile)
+  if sliding_window is not None:
+    lookback = min(lookback, -(-(sliding_window - 1) // tile))
+  pad = num_tiles * tile - num_tokens
+  tok = jnp.arange(num_tiles * tile, dtype=jnp.int32)
+  num_valid = cu_q_lens[-1]
+  row = jnp.clip(jnp.searchsorted(cu_q_lens[1:], tok, side="right"), 0, cu_q_lens.shape[0] - 2)
+  q_start = cu_q_lens[row].reshape(num_tiles, tile)
+  q_tok = tok.reshape(num_tiles, tile)
+  q_valid = q_tok < num_valid
+  qf = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).astype(jnp.float32) * scale
+  qf = qf.reshape(num_tiles, tile, num_kv_heads, group, head_dim).transpose(0, 2, 3, 1, 4)
+
+  def tiles(x):   # [num_tokens, K, D] -> [lookback + num_tiles, K, tile, D], `lookback` zero tiles first
+    x = jnp.pad(x, ((lookback * tile, pad), (0, 0), (0, 0)))
+    return x.reshape(lookback + num_tiles, tile, num_kv_heads, head_dim).transpose(0, 2, 1, 3)
+
+  k_tiles, v_tiles = tiles(k), tiles(v)
+  q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+  num_back = jnp.minimum((jnp.max(q_lens, initial=1) - 2 + tile) // tile, lookback)
+
+  def body(o, acc: Summary) -> Summary:
+    kb = jax.lax.dynamic_slice_in_dim(k_tiles, lookback - o, num_tiles, axis=0)
+    vb = jax.lax.dynamic_slice_in_dim(v_tiles, lookback - o, num_tiles, axis=0)
+    k_tok = (jnp.arange(num_tiles, dtype=jnp.int32)[:, None] - o) * tile + jnp.arange(tile)[None]
+    mask = (q_valid[:, :, None] & (k_tok[:, None, :] >= q_start[:, :, None])
+            & (k_tok[:, None, :] <= q_tok[:, :, None]))
+    if sliding_window is not None:
+      mask &= q_tok[:, :, None] - k_tok[:, None, :] < sliding_window
+    s = jnp.einsum("nkgqd,nktd->nkgqt", qf, kb.astype(jnp.float32), precision=_HIGHEST)
+    if soft_cap is not None:
+      s = soft_cap * jnp.tanh(s / soft_cap)
+    s = jnp.where(mask[:, None, None], s, -jnp.inf)
+    # A key this row may see is one of this step's real tokens (finite); padding keys are masked
+    # and zero-padded, so V needs no NaN guard here.
+    return merge_summaries(acc, block_summary(s, vb.astype(jnp.float32), "nkgqt,nktd->nkgqd"))
+
+  lead = (num_tiles, num_kv_heads, group, tile)
+  init = Summary(jnp.full(lead, -jnp.inf, jnp.float32), jnp.zeros(lead, jnp.float32),
+                 jnp.zeros(lead + (head_dim,), jnp.float32))
+  o, lse = finalize(jax.lax.fori_loop(0, num_back + 1, body, init))
+  o = o.transpose(0, 3, 1, 2, 4).reshape(num_tiles * tile, num_q_heads, head_dim)[:num_tokens]
+  lse = lse.transpose(0, 3, 1, 2).reshape(num_tiles * tile, num_q_heads)[:num_tokens]
+  return o.astype(q.dtype), lse
+
+
+def prefill_attention(q, k, v, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
+                      max_q_len: int, scale: float | None = None,
+                      sliding_window: int | None = None, soft_cap: float | None = None,
+                      pages_per_block: int | None = None,
+                      tile_tokens: int = DEFAULT_TILE_TOKENS):
+  """Prefill chunks on the XLA path: own keys from this step, cached prefix from the pages.
+
+  A chunk of q_len tokens of a sequence with seq_len keys attends causally to its own q_len new
+  keys (`causal_ragged_attention`, on this step's k/v) and to all seq_len - q_len keys of its
+  prefix (read through the block table; skipped when no row has a prefix); the two partial
+  results merge exactly (`merge_states`, the seeds' rule). Same result as
+  `paged_attention_xla` over the whole sequence, without padding each row to max_q_len.
+
+  Args:
+    q: dtype[num_tokens, num_q_heads, head_dim], ragged by cu_q_lens.
+    k, v: dtype[num_tokens, num_kv_heads, head_dim] this step's keys / values (also written in
+      the pages; they are used from here).
+    k_pages, v_pages, block_tables, seq_lens, cu_q_lens: as in `paged_attention_xla`.
+    max_q_len: static bound on any q_len.
+
+  Returns:
+    dtype[num_tokens, num_q_heads, head_dim].
+  """
+  kw = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+  o_new, lse_new = causal_ragged_attention(q, k, v, cu_q_lens, max_q_len=max_q_len,
+                                           tile_tokens=tile_tokens, **kw)
+  prefix_lens = seq_lens - (cu_q_lens[1:] - cu_q_lens[:-1])
+
+  def with_prefix(_):
+    return paged_attention_xla(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens,
+                               max_q_len=max_q_len, pages_per_block=pages_per_block,
+                               return_lse=True, kv_lens=prefix_lens, **kw)
+
+  def without_prefix(_):
+    return jnp.zeros_like(q), jnp.full(q.shape[:2], -jnp.inf, jnp.float32)
+
+  o_pre, lse_pre = jax.lax.cond(jnp.max(prefix_lens, initial=0) > 0, with_prefix, without_prefix,
+                                None)
+  return merge_states(o_new, lse_new, o_pre, lse_pre)[0]
+
+
+def step_attention(q, k, v, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
+                   num_decode: int, max_q_len: int, scale: float | None = None,
+                   sliding_window: int | None = None, soft_cap: float | None = None,
+                   impl: str = "auto"):
+  """Attention for one model step whose K/V are already written into the pages.
+
+  Rows 0..num_decode-1 are decode rows, one query each at tokens 0..num_decode-1; the rows after
+  them are prefill chunks (ragged). The Pallas kernel takes the whole batch in one launch. The XLA
+  path runs decode rows with max_q_len=1 through `paged_attention_xla` and prefill rows through
+  `prefill_attention`, so no decode row is padded to a prefill chunk's length.
+
+  Args:
+    q: dtype[num_tokens, num_q_heads, head_dim]; k, v: dtype[num_tokens, num_kv_heads, head_dim].
+    k_pages, v_pages, block_tables, seq_lens, cu_q_lens: as in `paged_attention` (all rows).
+    num_decode: static count of leading decode rows (cu_q_lens[:num_decode + 1] == 0..num_decode).
+    max_q_len: static bound on the prefill rows' q_len (1 when there are none).
+
+  Returns:
+    dtype[num_tokens, num_q_heads, head_dim].
+  """
+  if impl not in IMPLS:
+    raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
+  reason = kernel_unavailable_reason(q.shape[-1], k_pages.shape[1])
+  kw = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+  if impl == "pallas" or (impl == "auto" and reason is None):
+    return paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens,
+                           max_q_len=max(max_q_len, 1), impl=impl, **kw)
+  d = num_decode
+  parts = []
+  if d:
+    parts.append(paged_attention_xla(q[:d], k_pages, v_pages, block_tables[:d], seq_lens[:d],
+                                     jnp.arange(d + 1, dtype=jnp.int32), max_q_len=1, **kw))
+  if q.shape[0] > d:
+    parts.append(prefill_attention(q[d:], k[d:], v[d:], k_pages, v_pages, block_tables[d:],
+                                   seq_lens[d:], cu_q_lens[d:] - d, max_q_len=max_q_len, **kw))
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
 
 @functools.partial(jax.jit, static_argnames=("max_q_len", "scale", "sliding_window", "soft_cap",

@@ -54,3 +54,75 @@ def tiny_config(**overrides) -> ModelConfig:
   base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_q_heads=4,
               num_kv_heads=2, head_dim=8, max_position=256)
   return ModelConfig(**{**base, **overrides})
+
+
+# Default KV budget where the device reports no memory statistics (the CPU).
+DEFAULT_CPU_KV_BYTES = 256 * 2 ** 20
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+  """The paged KV pool: page size, and how many pages (given, or carved from a memory budget).
+
+  Exactly one of num_pages / memory_bytes / memory_fraction may be set; with none, a device that
+  reports `memory_stats()` (GPU, TPU) gets memory_fraction=0.9 and the CPU a 256 MiB budget.
+
+  Attributes:
+    page_size: tokens per page.
+    num_pages: pages in the pool, NULL_PAGE included.
+    memory_bytes: KV budget in bytes.
+    memory_fraction: share of the device memory left after the weights (needs memory_stats).
+    enable_prefix_caching: share full pages between requests by chained hash.
+  """
+  page_size: int = 16
+  num_pages: int | None = None
+  memory_bytes: int | None = None
+  memory_fraction: float | None = None
+  enable_prefix_caching: bool = True
+
+  def __post_init__(self):
+    if self.page_size < 1:
+      raise ValueError(f"page_size={self.page_size} must be >= 1")
+    given = [n for n in ("num_pages", "memory_bytes", "memory_fraction")
+             if getattr(self, n) is not None]
+    if len(given) > 1:
+      raise ValueError(f"set one of num_pages / memory_bytes / memory_fraction, not {given}")
+    if self.num_pages is not None and self.num_pages < 2:
+      raise ValueError(f"num_pages={self.num_pages} must be >= 2 (page 0 is NULL_PAGE)")
+    if self.memory_bytes is not None and self.memory_bytes <= 0:
+      raise ValueError(f"memory_bytes={self.memory_bytes} must be > 0")
+    if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
+      raise ValueError(f"memory_fraction={self.memory_fraction} must be in (0, 1]")
+
+  def bytes_per_page(self, model: ModelConfig) -> int:
+    """K and V of one page across all layers."""
+    itemsize = 2 if model.dtype == "bfloat16" else 4
+    return 2 * model.num_layers * self.page_size * model.num_kv_heads * model.head_dim * itemsize
+
+  def resolve_num_pages(self, model: ModelConfig, memory_stats: dict | None) -> int:
+    """Pages in the pool (NULL_PAGE included).
+
+    Args:
+      memory_stats: the device's `memory_stats()` taken after the weights were placed (None on
+        the CPU): bytes_limit - bytes_in_use is what a fraction applies to.
+    """
+    if self.num_pages is not None:
+      return self.num_pages
+    budget = self.memory_bytes
+    fraction = self.memory_fraction
+    if budget is None and fraction is None:
+      if memory_stats:
+        fraction = 0.9
+      else:
+        budget = DEFAULT_CPU_KV_BYTES
+    if budget is None:
+      if not memory_stats or "bytes_limit" not in memory_stats:
+        raise ValueError(f"memory_fraction={fraction} needs a device that reports memory_stats(); "
+                         f"this one does not (the CPU): give memory_bytes instead")
+      free = memory_stats["bytes_limit"] - memory_stats.get("bytes_in_use", 0)
+      budget = int(fraction * free)
+    pages = budget // self.bytes_per_page(model)
+    if pages < 2:
+      raise ValueError(f"a KV budget of {budget} bytes holds {pages} pages of "
+                       f"{self.bytes_per_page(model)} bytes; the pool needs at least 2")
+    return int(pages)

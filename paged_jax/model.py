@@ -31,13 +31,17 @@ class PagedKV:
   impl: str = flax.struct.field(pytree_node=False, default="auto")
 
   def attend(self, layer: int, q, k, v, *, sliding_window):
-    """Writes K/V of this step's tokens by slot, then paged attention; q: [T, H, D]."""
+    """Writes K/V of this step's tokens by slot, then paged attention; q: [T, H, D].
+
+    Decode rows and prefill chunks run as `attention.step_attention` splits them (one kernel
+    launch on a GPU; decode rows and prefill rows apart on the XLA path)."""
     md = self.md
     pool = self.pool.replace(k=write_kv_layer(self.pool.k, layer, k, md.slots),
                              v=write_kv_layer(self.pool.v, layer, v, md.slots))
-    o = attention.paged_attention(q, pool.k[layer], pool.v[layer], md.block_tables, md.seq_lens,
-                                  md.cu_q_lens, max_q_len=md.max_q_len,
-                                  sliding_window=sliding_window, impl=self.impl)
+    o = attention.step_attention(q, k, v, pool.k[layer], pool.v[layer], md.block_tables,
+                                 md.seq_lens, md.cu_q_lens, num_decode=md.num_decode,
+                                 max_q_len=md.max_q_len, sliding_window=sliding_window,
+                                 impl=self.impl)
     return o, self.replace(pool=pool)
 
 

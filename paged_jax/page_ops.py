@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax.state import KVPool
+from paged_jax.state import NULL_PAGE, KVPool
 
 
 @functools.partial(jax.jit, donate_argnames=("pool",))
@@ -31,6 +31,25 @@ def copy_pages(pool: KVPool, src: jax.Array, dst: jax.Array) -> KVPool:
     raise ValueError(f"src {src.shape} and dst {dst.shape} must be equal 1-D shapes")
   return pool.replace(k=pool.k.at[:, dst].set(pool.k[:, src]),
                       v=pool.v.at[:, dst].set(pool.v[:, src]))
+
+
+def check_copy_batch(src, dst) -> None:
+  """Raises AssertionError if a copy batch conflicts: a destination page twice, or a destination
+  that is also a source (the order of conflicting scatters is unspecified in XLA). NULL_PAGE ->
+  NULL_PAGE padding pairs are ignored. Host side (NumPy)."""
+  src, dst = np.asarray(src), np.asarray(dst)
+  real = ~((src == NULL_PAGE) & (dst == NULL_PAGE))
+  src, dst = src[real], dst[real]
+  values, counts = np.unique(dst, return_counts=True)
+  if np.any(counts > 1):
+    raise AssertionError(f"copy batch writes page(s) {values[counts > 1].tolist()} twice: "
+                         f"{list(zip(src.tolist(), dst.tolist()))}")
+  both = np.intersect1d(src, dst)
+  if both.size:
+    raise AssertionError(f"copy batch reads and writes page(s) {both.tolist()}: "
+                         f"{list(zip(src.tolist(), dst.tolist()))}")
+  if np.any(dst == NULL_PAGE):
+    raise AssertionError(f"copy batch writes NULL_PAGE: {list(zip(src.tolist(), dst.tolist()))}")
 
 
 def read_pages(pool: KVPool, pages) -> tuple[np.ndarray, np.ndarray]:

@@ -91,12 +91,16 @@ class AttentionMetadata:
     slots: i32[num_tokens] flat write slot (`page * page_size + offset`) of each query token;
       padding tokens point into NULL_PAGE.
     max_q_len: static upper bound on any sequence's q_len (1 for pure decode); fixes shapes.
+    num_decode: static count of leading decode rows: rows 0..num_decode-1 have one query each, at
+      tokens 0..num_decode-1, so the XLA path can run them apart from the prefill rows after them
+      (`attention.step_attention`). 0 = no such promise (every row is treated as a chunk).
   """
   block_tables: jax.Array
   seq_lens: jax.Array
   cu_q_lens: jax.Array
   slots: jax.Array
   max_q_len: int = flax.struct.field(pytree_node=False, default=1)
+  num_decode: int = flax.struct.field(pytree_node=False, default=0)
 
   @property
   def num_seqs(self) -> int:

@@ -1,11 +1,13 @@
 """Jit-compiled steps that thread the functional state: (params, pool, batch) -> (outputs, pool).
 
 `prefill_step` and `decode_step` run the model on a ragged batch (prefill chunks that may start
-after a cached prefix; one token per row for decode) and return the logits of each row's last query.
-`multi_step_decode` runs k decode steps in one `lax.scan`, sampling included, after the host has
-reserved the pages for those k tokens, so the host is consulted once per k tokens. The pool is
-donated everywhere: do not reuse the pool you passed in. Each distinct padded shape compiles once;
-the host pads batches to a few buckets (`paged_jax.generate`).
+after a cached prefix; one token per row for decode) and return the logits of each row's last
+query. `sample_step` is the engine's step: decode rows and prefill chunks in one batch, then a token
+per sample row (per-row sampling settings). `multi_step_decode` runs k decode steps in one
+`lax.scan`, sampling included, after the host has reserved the pages for those k tokens, so the
+host is consulted once per k tokens. The pool is donated everywhere: do not reuse the pool you
+passed in. Each distinct padded shape compiles once; the host pads batches to a few buckets
+(`paged_jax.host.batching`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import jax.numpy as jnp
 
 from paged_jax.config import ModelConfig
 from paged_jax.model import Decoder, PagedKV
-from paged_jax.sampling import SamplingConfig, sample
+from paged_jax.sampling import SamplingArrays, sample
 from paged_jax.state import NULL_PAGE, AttentionMetadata, KVPool
 
 
@@ -63,51 +65,77 @@ def decode_step(params, pool: KVPool, batch: Batch, *, cfg: ModelConfig, impl: s
   return _forward(params, pool, batch, cfg, impl)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "impl", "greedy_only", "num_logprobs"),
+                   donate_argnames=("pool",))
+def sample_step(params, pool: KVPool, batch: Batch, sampling: SamplingArrays, *, cfg: ModelConfig,
+                impl: str = "auto", greedy_only: bool = False, num_logprobs: int = 0):
+  """One model step (decode rows and prefill chunks mixed) and a token for each sample row.
+
+  `batch.logits_indices` names the token whose logits each sample row samples from (a prompt
+  sampled n times lists its last token n times).
+
+  Returns:
+    SampleOutput [num_samples], and the updated pool (donated).
+  """
+  logits, pool = _forward(params, pool, batch, cfg, impl)
+  return sample(logits, sampling, greedy_only=greedy_only, num_logprobs=num_logprobs), pool
+
+
 @flax.struct.dataclass
 class DecodeState:
-  """What k decode steps need, for rows 0..num_active-1 (padding rows after them).
+  """What k decode steps need, one row per sequence.
 
   Attributes:
     tokens: i32[num_seqs] each row's last token (its K/V is written by the first step).
     positions: i32[num_seqs] that token's position.
-    block_tables: i32[num_seqs, max_pages_per_seq], with pages reserved for the next k tokens.
-    active: bool[num_seqs]; padding rows are False and come last.
+    block_tables: i32[num_seqs, max_pages_per_seq], with pages reserved for the next tokens.
+    write_limit: i32[num_seqs] positions < write_limit get their K/V written; later steps of the
+      row write into NULL_PAGE and their tokens are discarded by the host (a row that reaches
+      max_tokens inside the k steps). 0 marks a padding row.
   """
   tokens: jax.Array
   positions: jax.Array
   block_tables: jax.Array
-  active: jax.Array
+  write_limit: jax.Array
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "num_steps", "sampling", "impl"),
+@functools.partial(jax.jit, static_argnames=("cfg", "num_steps", "impl", "greedy_only",
+                                             "num_logprobs"),
                    donate_argnames=("pool",))
-def multi_step_decode(params, pool: KVPool, state: DecodeState, key: jax.Array, *,
-                      cfg: ModelConfig, num_steps: int, sampling: SamplingConfig = SamplingConfig(),
-                      impl: str = "auto"):
+def multi_step_decode(params, pool: KVPool, state: DecodeState, sampling: SamplingArrays, *,
+                      cfg: ModelConfig, num_steps: int, impl: str = "auto",
+                      greedy_only: bool = False, num_logprobs: int = 0):
   """k decode steps in one lax.scan; slots come from the reserved block tables on device.
 
+  Row i samples its step-s token with `sampling` at output_index + s, so a seeded request draws
+  the same stream whether it runs k steps at a time or one.
+
   Returns:
-    tokens: i32[num_steps, num_seqs] sampled tokens (garbage in padding rows).
-    pool: the updated pool (donated).
+    SampleOutput with leading shape [num_steps, num_seqs] (garbage in padding rows), and the
+    updated pool (donated).
   """
   num_seqs = state.tokens.shape[0]
   page_size = pool.page_size
-  active = state.active.astype(jnp.int32)
-  cu_q_lens = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(active)]).astype(jnp.int32)
-  rows = jnp.arange(num_seqs)
+  rows = jnp.arange(num_seqs, dtype=jnp.int32)
+  cu_q_lens = jnp.arange(num_seqs + 1, dtype=jnp.int32)
+  live = state.write_limit > 0
 
-  def body(carry, step_key):
+  def body(carry, s):
     pool, tokens, positions = carry
     page = state.block_tables[rows, jnp.clip(positions // page_size, 0,
                                              state.block_tables.shape[1] - 1)]
-    slots = jnp.where(state.active, page * page_size + positions % page_size, NULL_PAGE)
+    slots = jnp.where(positions < state.write_limit, page * page_size + positions % page_size,
+                      NULL_PAGE * page_size)
+    # A padding row reads one key, its own write into NULL_PAGE: finite, and discarded.
     md = AttentionMetadata(block_tables=state.block_tables,
-                           seq_lens=jnp.where(state.active, positions + 1, 0).astype(jnp.int32),
-                           cu_q_lens=cu_q_lens, slots=slots.astype(jnp.int32), max_q_len=1)
+                           seq_lens=jnp.where(live, positions + 1, 1).astype(jnp.int32),
+                           cu_q_lens=cu_q_lens, slots=slots.astype(jnp.int32), max_q_len=1,
+                           num_decode=num_seqs)
     logits, pool = _forward(params, pool, Batch(tokens, positions, md, rows), cfg, impl)
-    nxt = sample(logits, step_key, sampling)
-    return (pool, nxt, positions + 1), nxt
+    out = sample(logits, sampling.replace(output_index=sampling.output_index + s),
+                 greedy_only=greedy_only, num_logprobs=num_logprobs)
+    return (pool, out.tokens, positions + 1), out
 
-  (pool, _, _), tokens = jax.lax.scan(body, (pool, state.tokens, state.positions),
-                                      jax.random.split(key, num_steps))
-  return tokens, pool
+  (pool, _, _), out = jax.lax.scan(body, (pool, state.tokens, state.positions),
+                                   jnp.arange(num_steps, dtype=jnp.int32))
+  return out, pool

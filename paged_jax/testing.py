@@ -178,3 +178,110 @@ def dense_greedy(params, cfg, prompt, max_new_tokens: int) -> list[int]:
     out.append(nxt)
     tokens.append(nxt)
   return out
+
+
+class FakeSteps:
+  """Device steps without a model, for scheduler tests: the next token is the last one + 1.
+
+  Request r's prompt is best written 100 * r + (0, 1, ...), so that every token names its
+  request (token // 100). Each call is recorded in `events`:
+  ("step", [decode rows' requests], [(request, first position, stop) per prefill chunk]) and
+  ("decode", [rows' requests], k) for a k-step round.
+  """
+
+  def __init__(self):
+    self.events = []
+
+  @staticmethod
+  def _out(tokens):
+    from paged_jax.sampling import SampleOutput
+    tokens = jnp.asarray(tokens, jnp.int32)
+    zeros = jnp.zeros(tokens.shape, jnp.float32)
+    return SampleOutput(tokens, zeros, jnp.zeros(tokens.shape + (0,), jnp.int32),
+                        jnp.zeros(tokens.shape + (0,), jnp.float32))
+
+  def sample_step(self, params, pool, batch, sampling, *, cfg, impl, greedy_only, num_logprobs):
+    md = batch.md
+    d = md.num_decode
+    tokens, positions = np.asarray(batch.tokens), np.asarray(batch.positions)
+    cu, tables = np.asarray(md.cu_q_lens), np.asarray(md.block_tables)
+    decode = [int(tokens[i]) // 100 for i in range(d) if tables[i].any()]   # not padding rows
+    prefill = [(int(tokens[a]) // 100, int(positions[a]), int(positions[b - 1]) + 1)
+               for a, b in zip(cu[d:-1], cu[d + 1:]) if b > a]
+    self.events.append(("step", decode, prefill))
+    return self._out(tokens[np.asarray(batch.logits_indices)] + 1), pool
+
+  def multi_step_decode(self, params, pool, state, sampling, *, cfg, num_steps, impl,
+                        greedy_only, num_logprobs):
+    live = np.asarray(state.write_limit) > 0
+    tokens = np.asarray(state.tokens)
+    self.events.append(("decode", [int(t) // 100 for t in tokens[live]], num_steps))
+    return self._out(tokens[None, :] + np.arange(1, num_steps + 1)[:, None]), pool
+
+  def functions(self):
+    from paged_jax.engine import StepFunctions
+    return StepFunctions(self.sample_step, self.multi_step_decode)
+
+
+def dense_logprobs(params, cfg, tokens) -> np.ndarray:
+  """f32[vocab_size] log-softmax of the next token after `tokens`, from a dense forward over the
+  whole sequence (no cache at all): the slowest, plainest reference."""
+  from paged_jax import model
+  n = len(tokens)
+  shape = (cfg.num_layers, 1, n, cfg.num_kv_heads, cfg.head_dim)
+  kv = model.DenseKV(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype),
+                     jnp.zeros(n, jnp.int32), jnp.arange(n, dtype=jnp.int32),
+                     jnp.array([n], jnp.int32), jnp.array([0, n], jnp.int32), max_q_len=n)
+  logits, _ = _dense_apply(cfg)(params, jnp.asarray(tokens, jnp.int32),
+                                jnp.arange(n, dtype=jnp.int32), kv, jnp.array([n - 1], jnp.int32))
+  return np.asarray(jax.nn.log_softmax(logits[0]))
+
+
+_DENSE_APPLY = {}
+
+
+def _dense_apply(cfg):
+  from paged_jax import model
+  if cfg not in _DENSE_APPLY:
+    _DENSE_APPLY[cfg] = jax.jit(lambda p, t, pos, kv, idx: model.Decoder(cfg).apply(
+        {"params": p}, t, pos, kv, idx))
+  return _DENSE_APPLY[cfg]
+
+
+def dense_beam_search(params, cfg, prompt, *, beam_width: int, max_tokens: int,
+                      length_penalty: float = 1.0, eos_ids=(), n: int = 1) -> list[list[int]]:
+  """Plain beam search on a dense model, written out without the engine: every beam proposes its
+  2W best tokens; the W best by cumulative logprob continue; a top-W candidate ending in EOS
+  becomes a hypothesis scored logprob / length ** length_penalty (the W best are kept); stop at
+  max_tokens, or when W hypotheses exist and no live beam scores better than the worst.
+  Returns the n best completions (output tokens)."""
+  eos = set(eos_ids)
+  beams = [([], 0.0)]                       # (output tokens, cumulative logprob)
+  done = []                                 # (score, output tokens)
+  score = lambda lp, length: lp / max(length, 1) ** length_penalty
+  while beams:
+    cands = []
+    for rank, (out, lp) in enumerate(beams):
+      logprobs = dense_logprobs(params, cfg, list(prompt) + out)
+      best = np.argsort(-logprobs, kind="stable")[:2 * beam_width]
+      cands += [(-(lp + float(logprobs[t])), rank, int(t), out, lp + float(logprobs[t]))
+                for t in best]
+    cands.sort(key=lambda c: c[:3])
+    nxt = []
+    for i, (_, _, t, out, lp) in enumerate(cands):
+      if len(nxt) == beam_width:
+        break
+      if t in eos:
+        if i < beam_width:
+          done.append((score(lp, len(out) + 1), out + [t]))
+        continue
+      nxt.append((out + [t], lp))
+    done = sorted(done, key=lambda d: -d[0])[:beam_width]
+    beams = sorted(nxt, key=lambda b: -b[1])
+    if beams and len(beams[0][0]) >= max_tokens:
+      done = sorted(done + [(score(lp, len(o)), o) for o, lp in beams], key=lambda d: -d[0])
+      done = done[:beam_width]
+      break
+    if beams and len(done) == beam_width and done[-1][0] >= score(beams[0][1], len(beams[0][0])):
+      break
+  return [out for _, out in done[:n]]

@@ -3,8 +3,9 @@
 It allocates pages as sequences grow, shares them by reference count (fork for parallel sampling
 and beam search, prefix-cache hits), copies a shared partially filled page before a write
 (copy-on-write), caches full pages under chained hashes, evicts idle cached pages in LRU order,
-and preempts by swap or recompute. The device only ever sees what it returns: block tables,
-write slots and (src, dst) copy pairs, applied by `paged_jax.page_ops`.
+and preempts by swap (a request's sequences together, sharing kept) or recompute. The device
+only ever sees what it returns: block tables, write slots and (src, dst) copy pairs, applied by
+`paged_jax.page_ops`.
 
 Every page other than NULL_PAGE is exactly one of:
   free         refcount 0, no hash, in the free list;
@@ -12,10 +13,12 @@ Every page other than NULL_PAGE is exactly one of:
   cached-idle  refcount 0, registered under its hash, in the LRU queue; reclaimed only when no
                free page is left, least recently used first.
 
-Token bookkeeping per sequence: `tokens` are all known token ids (prompt and generated);
-`num_computed` of them have their K/V in the pool (or written by the step being scheduled);
-capacity is len(block_table) * page_size. Only full, computed pages enter the prefix cache, so a
-request can never hit a page whose K/V a chunked prefill has not written yet.
+Token bookkeeping per sequence: the manager does not own token ids (`host.sequence.Sequence`
+does); it is told them as they arrive (`admit`, `append_tokens`) and keeps only their count, the
+chained hash of every full page, and the ids of the partial last page (what its hash will need).
+`num_computed` of the `num_tokens` have their K/V in the pool (or written by the step being
+scheduled); capacity is len(block_table) * page_size. Only full, computed pages enter the prefix
+cache, so a request can never hit a page whose K/V a chunked prefill has not written yet.
 """
 
 from __future__ import annotations
@@ -58,14 +61,17 @@ class UnknownSequenceError(KeyError):
 
 @dataclasses.dataclass
 class _Seq:
-  tokens: list[int]
+  num_tokens: int
   block_table: list[int]
   num_computed: int
   adapter_id: Hashable | None
   cache_salt: str | None
   hashes: list[bytes] = dataclasses.field(default_factory=list)   # one per full page of tokens
+  tail: list[int] = dataclasses.field(default_factory=list)      # ids after the last full page
   num_registered: int = 0     # leading full computed pages already offered to the prefix cache
-  num_swapped_pages: int = 0  # pages held in host memory while SWAPPED
+  num_swapped_pages: int = 0  # pages its swap group holds in host memory while SWAPPED
+  swap_layout: tuple[int, ...] = ()   # while SWAPPED: index into the group's swapped pages per entry
+  swap_group: frozenset = frozenset()  # while SWAPPED: the ids swapped out together
   status: SeqStatus = SeqStatus.RUNNING
 
 
@@ -132,13 +138,10 @@ class BlockManager:
     return tuple(self._get(seq_id).block_table)
 
   def num_tokens(self, seq_id) -> int:
-    return len(self._get(seq_id).tokens)
+    return self._get(seq_id).num_tokens
 
   def num_computed(self, seq_id) -> int:
     return self._get(seq_id).num_computed
-
-  def tokens(self, seq_id) -> tuple[int, ...]:
-    return tuple(self._get(seq_id).tokens)
 
   def status(self, seq_id) -> SeqStatus:
     return self._get(seq_id).status
@@ -175,23 +178,28 @@ class BlockManager:
 
     Args:
       seq_id: a new id, or (with resume=True) a sequence preempted for recompute.
-      token_ids: the prompt (ignored with resume=True: the sequence's own tokens are used).
-      adapter_id, cache_salt: extra hash keys (every page / first page).
+      token_ids: the prompt; with resume=True, every token the sequence has (at least as many as
+        when it was preempted; they are recomputed).
+      adapter_id, cache_salt: extra hash keys (every page / first page); a resumed sequence
+        keeps its own.
     """
     if resume:
       seq = self._get(seq_id)
       if seq.status is not SeqStatus.PREEMPTED:
         raise ValueError(f"sequence {seq_id!r} is {seq.status.value}, not preempted")
-      token_ids, adapter_id, cache_salt = seq.tokens, seq.adapter_id, seq.cache_salt
+      if token_ids is None or len(token_ids) < seq.num_tokens:
+        raise ValueError(f"resuming sequence {seq_id!r} needs its {seq.num_tokens} tokens; got "
+                         f"{None if token_ids is None else len(token_ids)}")
+      adapter_id, cache_salt = seq.adapter_id, seq.cache_salt
     elif seq_id in self._seqs:
       raise ValueError(f"sequence {seq_id!r} is already admitted")
     token_ids = [int(t) for t in token_ids]
     if not token_ids:
       raise ValueError(f"sequence {seq_id!r}: a prompt needs at least one token")
-    probe = _Seq(token_ids, [], 0, adapter_id, cache_salt)
-    self._extend_hashes(probe)
+    probe = _Seq(0, [], 0, adapter_id, cache_salt)
+    self._add_tokens(probe, token_ids)
     hits = self._lookup(probe) if self.enable_prefix_caching else []
-    need = pages_needed(len(token_ids), self.page_size) - len(hits)
+    need = pages_needed(probe.num_tokens, self.page_size) - len(hits)
     idle_hits = sum(1 for p in hits if self._refs[p] == 0)
     if need > self.num_free_pages - idle_hits:
       return None
@@ -211,31 +219,31 @@ class BlockManager:
     """Capacity for `num_tokens` more tokens (e.g. the next k decode steps), all or nothing.
 
     A new page is allocated only when the last one is full. A shared page that the new tokens
-    would write into is first replaced by a private page, copied if it already holds tokens
-    (copy-on-write); full shared pages are never copied. Returns None, changing nothing, if the
-    pages do not fit.
+    write into (positions num_tokens .. num_tokens + n - 1) is first replaced by a private page,
+    copied if it already holds tokens (copy-on-write); full shared pages, and shared pages past
+    the new tokens, are left alone. Returns None, changing nothing, if the pages do not fit.
     """
     seq = self._running(seq_id)
     if num_tokens < 0:
       raise ValueError(f"num_tokens={num_tokens} must be >= 0")
     if num_tokens == 0:
       return Growth((), ())
-    first_written = len(seq.tokens) // self.page_size
-    shared = [j for j in range(first_written, len(seq.block_table))
-              if self._refs[seq.block_table[j]] > 1]
-    new = max(0, pages_needed(len(seq.tokens) + num_tokens, self.page_size) - len(seq.block_table))
+    n, ps, table = seq.num_tokens, self.page_size, seq.block_table
+    written = range(n // ps, min((n + num_tokens - 1) // ps + 1, len(table)))
+    shared = [j for j in written if self._refs[table[j]] > 1]
+    new = max(0, pages_needed(n + num_tokens, ps) - len(table))
     if new + len(shared) > self.num_free_pages:
       return None
     copies = []
     for j in shared:
-      src = seq.block_table[j]
+      src = table[j]
       (dst,) = self._take(1)
       self._unref(src)
-      seq.block_table[j] = dst
-      if j * self.page_size < len(seq.tokens):   # it holds tokens: copy them
+      table[j] = dst
+      if j * ps < n:   # it holds tokens: copy them
         copies.append((src, dst))
     pages = self._take(new)
-    seq.block_table.extend(pages)
+    table.extend(pages)
     return Growth(tuple(copies), tuple(pages))
 
   def append_tokens(self, seq_id, token_ids: Sequence[int]) -> Growth | None:
@@ -245,19 +253,18 @@ class BlockManager:
     """
     growth = self.reserve(seq_id, len(token_ids))
     if growth is not None:
-      self._seqs[seq_id].tokens.extend(int(t) for t in token_ids)
+      self._add_tokens(self._seqs[seq_id], token_ids)
     return growth
 
   def mark_computed(self, seq_id, num_computed: int | None = None) -> None:
     """Declares that the first `num_computed` tokens (default: all) have K/V in the pool; full
     pages among them enter the prefix cache."""
     seq = self._running(seq_id)
-    n = len(seq.tokens) if num_computed is None else num_computed
-    if not seq.num_computed <= n <= len(seq.tokens):
-      raise ValueError(f"num_computed={n} must lie in [{seq.num_computed}, {len(seq.tokens)}] for "
+    n = seq.num_tokens if num_computed is None else num_computed
+    if not seq.num_computed <= n <= seq.num_tokens:
+      raise ValueError(f"num_computed={n} must lie in [{seq.num_computed}, {seq.num_tokens}] for "
                        f"sequence {seq_id!r}")
     seq.num_computed = n
-    self._extend_hashes(seq)
     if self.enable_prefix_caching:
       for j in range(seq.num_registered, n // self.page_size):
         h, p = seq.hashes[j], seq.block_table[j]
@@ -276,8 +283,8 @@ class BlockManager:
     for p in parent.block_table:
       self._ref(p)
     self._seqs[child_id] = dataclasses.replace(
-        parent, tokens=list(parent.tokens), block_table=list(parent.block_table),
-        hashes=list(parent.hashes))
+        parent, block_table=list(parent.block_table), hashes=list(parent.hashes),
+        tail=list(parent.tail))
     return tuple(parent.block_table)
 
   def free(self, seq_id) -> None:
@@ -290,34 +297,65 @@ class BlockManager:
   # ----------------------------------------------------------------------------- preemption
 
   def preempt_recompute(self, seq_id) -> None:
-    """Frees the sequence's pages but keeps its tokens; full computed pages stay cached, so
-    `admit(seq_id, None, resume=True)` later hits the prefix cache for them."""
+    """Frees the sequence's pages but keeps its record; full computed pages stay cached, so
+    `admit(seq_id, tokens, resume=True)` later hits the prefix cache for them."""
     seq = self._running(seq_id)
     self._release(seq.block_table)
     seq.block_table, seq.num_computed, seq.status = [], 0, SeqStatus.PREEMPTED
 
-  def swap_out(self, seq_id) -> SwappedOut:
-    """Marks the sequence swapped and frees its pages. The caller must copy `pages` to host
-    memory (page_ops.read_pages) before anything else writes the pool."""
-    seq = self._running(seq_id)
-    pages = tuple(seq.block_table)
-    self._release(seq.block_table)
-    seq.block_table, seq.status, seq.num_swapped_pages = [], SeqStatus.SWAPPED, len(pages)
-    return SwappedOut(pages)
+  def swap_out(self, seq_ids) -> SwappedOut:
+    """Marks the sequence(s) swapped and frees their pages. The caller must copy `pages` to host
+    memory (page_ops.read_pages) before anything else writes the pool.
 
-  def swap_in(self, seq_id) -> SwappedIn | None:
-    """Allocates private pages for a swapped sequence (None, changing nothing, if they do not
-    fit). The caller restores the host copy into them (page_ops.write_pages)."""
-    seq = self._get(seq_id)
-    if seq.status is not SeqStatus.SWAPPED:
-      raise ValueError(f"sequence {seq_id!r} is {seq.status.value}, not swapped")
-    n = seq.num_swapped_pages
+    Args:
+      seq_ids: one sequence, or a list of them (a request's samples or beams): a page they share
+        is listed once, and `swap_in` of the same list shares it again.
+    """
+    ids = self._as_ids(seq_ids)
+    seqs = [self._running(i) for i in ids]
+    pages: list[int] = []
+    index: dict[int, int] = {}
+    for seq in seqs:
+      layout = []
+      for p in seq.block_table:
+        if p not in index:
+          index[p] = len(pages)
+          pages.append(p)
+        layout.append(index[p])
+      seq.swap_layout = tuple(layout)
+    for seq in seqs:
+      self._release(seq.block_table)
+      seq.block_table, seq.status = [], SeqStatus.SWAPPED
+      seq.num_swapped_pages, seq.swap_group = len(pages), frozenset(ids)
+    return SwappedOut(tuple(pages))
+
+  def swap_in(self, seq_ids) -> SwappedIn | None:
+    """Allocates fresh pages for what `swap_out(seq_ids)` freed (None, changing nothing, if they
+    do not fit), sharing them again as before. The caller restores the host copy into them
+    (page_ops.write_pages), in the order returned."""
+    ids = self._as_ids(seq_ids)
+    seqs = [self._get(i) for i in ids]
+    for i, seq in zip(ids, seqs):
+      if seq.status is not SeqStatus.SWAPPED:
+        raise ValueError(f"sequence {i!r} is {seq.status.value}, not swapped")
+      if seq.swap_group != frozenset(ids):
+        raise ValueError(f"sequence {i!r} was swapped out with {sorted(map(repr, seq.swap_group))}; "
+                         f"swap them in together")
+    n = seqs[0].num_swapped_pages
     if n > self.num_free_pages:
       return None
-    seq.block_table, seq.num_swapped_pages = self._take(n), 0
-    seq.num_registered = 0   # the restored pages are private copies, not cache entries
-    seq.status = SeqStatus.RUNNING
-    return SwappedIn(tuple(seq.block_table))
+    new = self._take(n)
+    for seq in seqs:
+      seq.block_table = [new[j] for j in seq.swap_layout]
+      seq.num_registered = 0   # the restored pages are private copies, not cache entries
+      seq.status, seq.num_swapped_pages, seq.swap_layout = SeqStatus.RUNNING, 0, ()
+      seq.swap_group = frozenset()
+    for p in new:
+      self._refs[p] = 0
+    for seq in seqs:
+      for p in seq.block_table:
+        self._refs[p] += 1
+    return SwappedIn(tuple(new))
 
   def reset_prefix_cache(self) -> None:
     """Forgets every cached hash. Allowed only when no page is in use."""
@@ -338,7 +376,7 @@ class BlockManager:
     stored = {}
     for s in self._seqs.values():
       for j, p in enumerate(s.block_table):
-        filled = max(0, min(self.page_size, len(s.tokens) - j * self.page_size))
+        filled = max(0, min(self.page_size, s.num_tokens - j * self.page_size))
         stored[p] = max(stored.get(p, 0), filled)   # a shared page stores its tokens once
     stored_tokens = sum(stored.values())
     reserved = len(in_use_pages) * self.page_size
@@ -361,8 +399,8 @@ class BlockManager:
     for seq_id, s in self._seqs.items():
       if s.status is SeqStatus.RUNNING:
         np.add.at(counted, np.asarray(s.block_table, np.int64), 1)
-        assert len(s.block_table) * self.page_size >= len(s.tokens), f"{seq_id!r} over capacity"
-        assert 0 <= s.num_computed <= len(s.tokens), seq_id
+        assert len(s.block_table) * self.page_size >= s.num_tokens, f"{seq_id!r} over capacity"
+        assert 0 <= s.num_computed <= s.num_tokens, seq_id
       else:
         assert not s.block_table, f"{seq_id!r} is {s.status.value} but holds pages"
     assert counted[NULL_PAGE] == 0, "NULL_PAGE is in a block table"
@@ -388,22 +426,41 @@ class BlockManager:
     except KeyError:
       raise UnknownSequenceError(f"unknown or finished sequence {seq_id!r}") from None
 
+  def _as_ids(self, seq_ids) -> list:
+    """One sequence id, or a list of them."""
+    try:
+      if seq_ids in self._seqs:
+        return [seq_ids]
+    except TypeError:   # a list is not hashable
+      pass
+    ids = list(seq_ids) if isinstance(seq_ids, (list, tuple)) else [seq_ids]
+    if len(set(ids)) != len(ids):
+      raise ValueError(f"sequence ids {ids!r} repeat")
+    return ids
+
   def _running(self, seq_id) -> _Seq:
     seq = self._get(seq_id)
     if seq.status is not SeqStatus.RUNNING:
       raise ValueError(f"sequence {seq_id!r} is {seq.status.value}, not running")
     return seq
 
-  def _extend_hashes(self, seq: _Seq) -> None:
-    """Hashes of every full page of the sequence's known tokens, computed incrementally."""
+  def _add_tokens(self, seq: _Seq, token_ids: Sequence[int]) -> None:
+    """Counts new tokens and hashes every page they fill (incrementally: only the partial last
+    page's ids are kept). Nothing is hashed when prefix caching is off."""
+    seq.num_tokens += len(token_ids)
+    if not self.enable_prefix_caching:
+      return
     s = self.page_size
-    for j in range(len(seq.hashes), len(seq.tokens) // s):
+    seq.tail.extend(int(t) for t in token_ids)
+    while len(seq.tail) >= s:
+      j = len(seq.hashes)
       extra = (seq.adapter_id,) + ((seq.cache_salt,) if j == 0 else ())
-      seq.hashes.append(page_hash(seq.hashes[-1] if j else None, seq.tokens[j * s:(j + 1) * s], extra))
+      seq.hashes.append(page_hash(seq.hashes[-1] if j else None, seq.tail[:s], extra))
+      del seq.tail[:s]
 
   def _lookup(self, seq: _Seq) -> list[int]:
     """Pages of the longest cached chain, leaving at least the last token to compute."""
-    max_hit_pages = (len(seq.tokens) - 1) // self.page_size
+    max_hit_pages = (seq.num_tokens - 1) // self.page_size
     hits = []
     for h in seq.hashes[:max_hit_pages]:
       page = self._hash_to_page.get(h)

@@ -135,6 +135,75 @@ class PagedAttentionTest(parameterized.TestCase):
     chex.assert_trees_all_close(merged_lse, lse_b, atol=1e-6)
 
 
+def _new_kv(inp):
+  """This step's K/V (the last q_len keys of every row), read from the pages: [num_tokens, K, D]."""
+  k = testing.pages_to_dense(inp.k_pages, inp.block_tables, inp.seq_lens)
+  v = testing.pages_to_dense(inp.v_pages, inp.block_tables, inp.seq_lens)
+  cu, lens = np.asarray(inp.cu_q_lens), np.asarray(inp.seq_lens)
+  shape = (inp.q.shape[0],) + k.shape[2:]
+  k_new, v_new = np.zeros(shape, k.dtype), np.zeros(shape, v.dtype)
+  for b, (a, e) in enumerate(zip(cu[:-1], cu[1:])):
+    k_new[a:e] = k[b, lens[b] - (e - a):lens[b]]
+    v_new[a:e] = v[b, lens[b] - (e - a):lens[b]]
+  return jnp.asarray(k_new, inp.q.dtype), jnp.asarray(v_new, inp.q.dtype)
+
+
+class PrefillAttentionTest(parameterized.TestCase):
+  """The engine's XLA split: prefill chunks over own K/V + cached prefix, decode rows apart."""
+
+  @parameterized.product(tile=(1, 4, 64), window_cap=((None, None), (5, None), (6, 2.5)))
+  def test_causal_ragged_attention_matches_dense(self, tile, window_cap):
+    window, cap = window_cap
+    lens = [7, 1, 13, 4, 0, 9]   # rows straddle tiles; one empty row
+    inp = testing.random_paged_inputs(3, lens, q_lens=lens, page_size=4, pad_tokens=2)
+    k, v = _new_kv(inp)
+    kw = dict(sliding_window=window, soft_cap=cap, scale=0.4)
+    o, lse = attention.causal_ragged_attention(inp.q, k, v, inp.cu_q_lens, max_q_len=16,
+                                               tile_tokens=tile, **kw)
+    chex.assert_trees_all_close(o, _reference(*inp, **kw), **TOL[jnp.float32])
+    _, lse_ref = attention.paged_attention(*inp, return_lse=True, impl="xla", **kw)
+    chex.assert_trees_all_close(lse, lse_ref, **TOL[jnp.float32])
+    np.testing.assert_array_equal(np.asarray(o[-2:]), 0)   # padding tokens
+    self.assertTrue(np.all(np.isneginf(np.asarray(lse[-2:]))))
+
+  def test_kv_lens_reads_only_the_prefix(self):
+    # Keys [0, kv_len) with queries where they really are (after the prefix): the prefix alone.
+    inp = testing.random_paged_inputs(4, [9, 6], q_lens=[3, 2], page_size=4, poison=False)
+    prefix = jnp.array([6, 4], jnp.int32)
+    o, _ = attention.paged_attention_xla(*inp, max_q_len=4, kv_lens=prefix, return_lse=True)
+    k = jnp.asarray(testing.pages_to_dense(inp.k_pages, inp.block_tables, prefix))
+    v = jnp.asarray(testing.pages_to_dense(inp.v_pages, inp.block_tables, prefix))
+    # Every prefix key precedes every query: a non-causal view with kv_len = prefix and each
+    # query placed at the end (q_len 1 rows, one per query token).
+    rows = np.repeat(np.arange(2), [3, 2])
+    ref = attention.dense_attention(inp.q, k[rows], v[rows], jnp.arange(6, dtype=jnp.int32),
+                                    prefix[rows])
+    chex.assert_trees_all_close(o, ref, **TOL[jnp.float32])
+
+  @parameterized.parameters(jnp.float32, jnp.bfloat16)
+  def test_prefill_attention_with_and_without_prefix(self, dtype):
+    seq_lens = [5, 13, 9, 4]
+    q_lens = [5, 6, 1, 4]      # fresh, after a 7-token prefix, one token after 8, fresh
+    inp = testing.random_paged_inputs(6, seq_lens, q_lens=q_lens, page_size=4, dtype=dtype,
+                                      pad_tokens=3)
+    k, v = _new_kv(inp)
+    kw = dict(sliding_window=6, scale=0.3)
+    out = attention.prefill_attention(inp.q, k, v, *inp[1:], max_q_len=8, tile_tokens=4, **kw)
+    chex.assert_trees_all_close(out.astype(jnp.float32),
+                                _reference(*inp, **kw).astype(jnp.float32), **TOL[dtype])
+    self.assertFalse(np.isnan(np.asarray(out, np.float32)).any())   # NaN-poisoned pool
+
+  @parameterized.parameters(0, 2, 3)
+  def test_step_attention_decode_rows_then_chunks(self, num_decode):
+    seq_lens = [9, 1, 17][:num_decode] + [6, 11, 0]
+    q_lens = [1, 1, 1][:num_decode] + [6, 3, 0]
+    inp = testing.random_paged_inputs(8, seq_lens, q_lens=q_lens, page_size=4, pad_tokens=1)
+    k, v = _new_kv(inp)
+    out = attention.step_attention(inp.q, k, v, *inp[1:], num_decode=num_decode, max_q_len=8,
+                                   impl="xla", soft_cap=3.0)
+    chex.assert_trees_all_close(out, _reference(*inp, soft_cap=3.0), **TOL[jnp.float32])
+
+
 class SeedExamplesTest(absltest.TestCase):
   """The worked numbers of the seeds (section 10 and 11 of the first document), exactly."""
 

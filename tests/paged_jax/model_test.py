@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax import config, generate, step, testing
-from paged_jax.sampling import SamplingConfig, sample
 
 CFG = config.tiny_config()
 PARAMS = testing.random_params(CFG, seed=0, scale=0.3)
@@ -48,7 +47,7 @@ class PagedEqualsDenseTest(parameterized.TestCase):
     self.assertEqual(g.stats.decode_rounds, -(-(NEW - 1) // k))
 
   def test_chunked_prefill(self):
-    g = make(max_prefill_tokens=3)
+    g = make(max_prefill_tokens=3)   # a 3-token budget per step (it also caps the batch at 3)
     self.assertEqual(g.generate(PROMPTS, NEW), [dense(p) for p in PROMPTS])
     self.assertGreater(g.stats.prefill_steps, 5)
 
@@ -84,22 +83,25 @@ class PagedEqualsDenseTest(parameterized.TestCase):
   def test_steps_compile_once_per_bucket(self):
     g = make()
     g.generate(PROMPTS, NEW)
-    sizes = (step.prefill_step._cache_size(), step.multi_step_decode._cache_size())
+    sizes = (step.sample_step._cache_size(), step.multi_step_decode._cache_size())
     g.generate([[9, 8, 7, 6, 5], [1, 1, 1], [2, 7, 1, 8, 2, 8, 1, 8, 2], [5]], NEW)
-    self.assertEqual((step.prefill_step._cache_size(), step.multi_step_decode._cache_size()),
+    self.assertEqual((step.sample_step._cache_size(), step.multi_step_decode._cache_size()),
                      sizes)
 
   def test_bad_requests(self):
     g = make()
-    with self.assertRaisesRegex(ValueError, "prompt 1 is empty"):
+    with self.assertRaisesRegex(ValueError, "prompt 1: the prompt is empty"):
       g.generate([[1], []], 2)
     with self.assertRaisesRegex(ValueError, r"token ids outside \[0, 64\): \[99\]"):
       g.generate([[1, 99]], 2)
-    with self.assertRaisesRegex(ValueError, "exceeds max_position=256"):
+    with self.assertRaisesRegex(ValueError, "exceeds the model's max_position=256"):
       g.generate([[1] * 250], 10)
-    with self.assertRaisesRegex(RuntimeError, "needs more pages than the pool has"):
+    with self.assertRaisesRegex(ValueError, "needs up to 6 pages .* the pool has 2: it can never fit"):
       make(num_pages=3).generate([[1] * 20], 2)
+    with self.assertRaisesRegex(ValueError, r"stop_token_ids=\('2',\) must be token ids"):
+      g.generate([[1, 2]], 2, eos_id=["2"])
     self.assertEqual(g.generate([[1, 2]], 2), [dense([1, 2], 2)])   # still usable
+    self.assertFalse(g.engine.has_unfinished())   # nothing half-queued by a refused call
 
 
 class ModelPiecesTest(absltest.TestCase):
@@ -127,19 +129,6 @@ class ModelPiecesTest(absltest.TestCase):
     chex.assert_trees_all_close(last, full, atol=1e-5, rtol=1e-5)
     with self.assertRaisesRegex(ValueError, "decode_step needs max_q_len=1"):
       step.decode_step(PARAMS, mk_pool(), batch(tokens, jnp.arange(5), slots, 5, 8), cfg=CFG)
-
-  def test_sampling(self):
-    logits = jnp.array([[0.0, 5.0, 1.0], [3.0, 0.0, 0.0]])
-    np.testing.assert_array_equal(sample(logits, jax.random.key(0), SamplingConfig()), [1, 0])
-    top1 = SamplingConfig(temperature=1.0, top_k=1)
-    np.testing.assert_array_equal(sample(logits, jax.random.key(1), top1), [1, 0])
-    nucleus = SamplingConfig(temperature=1.0, top_p=0.5)   # only the top token has mass < 0.5 before it
-    np.testing.assert_array_equal(sample(logits, jax.random.key(2), nucleus), [1, 0])
-    draws = jax.vmap(lambda k: sample(jnp.zeros((1, 4)), k, SamplingConfig(temperature=1.0)))(
-        jax.random.split(jax.random.key(3), 200))
-    self.assertEqual(set(np.asarray(draws).ravel().tolist()), {0, 1, 2, 3})
-    with self.assertRaisesRegex(ValueError, "temperature=-1"):
-      SamplingConfig(temperature=-1)
 
   def test_config_validation(self):
     with self.assertRaisesRegex(ValueError, "num_q_heads=3 must be divisible by num_kv_heads=2"):

@@ -85,6 +85,26 @@ class SeedNumbersTest(absltest.TestCase):
     self.assertLen(growth.new_pages, 1)
     bm.check_invariants()
 
+  def test_reserve_copies_only_the_page_the_new_tokens_write(self):
+    # Regression (engine issue, 6a): a fork after a k-token reservation shares pages that hold
+    # no tokens yet; appending one token must copy only the page that token goes into.
+    bm = BlockManager(5, 8)
+    bm.admit("a", [1])
+    bm.mark_computed("a")
+    bm.reserve("a", 16)                      # pages 1, 2, 3; only page 1 holds a token
+    bm.fork("a", "b")
+    growth = bm.append_tokens("b", [5])      # one free page (4) is enough for the one copy
+    self.assertIsNotNone(growth)
+    self.assertEqual(growth.copies, ((1, 4),))
+    self.assertEqual(bm.block_table("b"), (4, 2, 3))
+    self.assertEqual(bm.block_table("a"), (1, 2, 3))
+    # Once a is gone, b owns pages 2 and 3 alone and writes into them in place.
+    bm.free("a")
+    growth = bm.append_tokens("b", range(7))  # positions 2..8 reach page 2
+    self.assertEqual(growth, type(growth)((), ()))
+    self.assertEqual(bm.block_table("b"), (4, 2, 3))
+    bm.check_invariants()
+
   def test_parallel_sampling_1000_token_prompt_4_completions(self):
     page_size = 16
     bm = BlockManager(num_pages=400, page_size=page_size, enable_prefix_caching=False)
@@ -230,6 +250,31 @@ class PreemptionTest(absltest.TestCase):
     bm.append_tokens("a", [1, 2, 3])
     bm.check_invariants()
 
+  def test_group_swap_keeps_sharing(self):
+    # A parent and two forks share two prompt pages; each then has one page of its own.
+    bm = BlockManager(num_pages=12, page_size=4)
+    _computed(bm, "p", range(6))
+    for child in ("c1", "c2"):
+      bm.fork("p", child)
+    for s in ("p", "c1", "c2"):
+      bm.append_tokens(s, [7, 7, 7])   # positions 6..8: copy of the shared page 1, a new page
+    held = {p for s in ("p", "c1", "c2") for p in bm.block_table(s)}
+    out = bm.swap_out(["p", "c1", "c2"])
+    self.assertEqual(sorted(out.pages), sorted(held))   # the shared first page once
+    self.assertLen(out.pages, 1 + 3 + 3)
+    bm.check_invariants()
+    with self.assertRaisesRegex(ValueError, "swap them in together"):
+      bm.swap_in("p")
+    back = bm.swap_in(["p", "c1", "c2"])
+    self.assertLen(back.pages, 7)
+    first = {bm.block_table(s)[0] for s in ("p", "c1", "c2")}
+    self.assertLen(first, 1)                            # shared again
+    self.assertEqual(bm.refcount(first.pop()), 3)
+    # Table entry j of each sequence maps to the same swapped page as before.
+    for s in ("p", "c1", "c2"):
+      self.assertLen(bm.block_table(s), 3)
+    bm.check_invariants()
+
   def test_recompute_then_readmit_hits_cache(self):
     bm = BlockManager(num_pages=10, page_size=4)
     _computed(bm, "a", range(10))
@@ -238,7 +283,9 @@ class PreemptionTest(absltest.TestCase):
     bm.preempt_recompute("a")
     self.assertEqual(bm.status("a"), SeqStatus.PREEMPTED)
     bm.check_invariants()
-    adm = bm.admit("a", None, resume=True)
+    with self.assertRaisesRegex(ValueError, "needs its 12 tokens; got 10"):
+      bm.admit("a", list(range(10)), resume=True)
+    adm = bm.admit("a", list(range(10)) + [7, 8], resume=True)
     self.assertEqual(adm.num_cached_tokens, 8)   # pages 0-1 full; 12 tokens -> page 2 recomputed
     self.assertEqual(bm.num_tokens("a"), 12)
     bm.check_invariants()
@@ -299,7 +346,7 @@ class BadInputTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "'a' is running, not swapped"):
       self.bm.swap_in("a")
     with self.assertRaisesRegex(ValueError, "not preempted"):
-      self.bm.admit("a", None, resume=True)
+      self.bm.admit("a", [1], resume=True)
 
   def test_mark_computed_out_of_range(self):
     with self.assertRaisesRegex(ValueError, r"num_computed=9 must lie in \[6, 6\]"):
@@ -341,6 +388,7 @@ class BlockManagerMachine(stateful.RuleBasedStateMachine):
     super().__init__()
     self.bm = BlockManager(num_pages=13, page_size=4)
     self.next_id = 0
+    self.tokens = {}   # the manager keeps no token ids; the caller (the Sequence) owns them
 
   def _ids(self, status):
     return sorted(s for s in list(self.bm._seqs) if self.bm.status(s) is status)
@@ -350,6 +398,7 @@ class BlockManagerMachine(stateful.RuleBasedStateMachine):
     tokens = list(range(n)) if shared else [self.next_id * 1000 + t for t in range(n)]
     if self.bm.admit(self.next_id, tokens) is not None:
       self.bm.mark_computed(self.next_id)
+      self.tokens[self.next_id] = tokens
     self.next_id += 1
 
   @stateful.rule(data=st.data(), n=st.integers(1, 6))
@@ -359,12 +408,15 @@ class BlockManagerMachine(stateful.RuleBasedStateMachine):
       s = data.draw(st.sampled_from(running))
       if self.bm.append_tokens(s, [s] * n) is not None:
         self.bm.mark_computed(s)
+        self.tokens[s] = self.tokens[s] + [s] * n
 
   @stateful.rule(data=st.data())
   def fork(self, data):
     running = self._ids(SeqStatus.RUNNING)
     if running:
-      self.bm.fork(data.draw(st.sampled_from(running)), self.next_id)
+      parent = data.draw(st.sampled_from(running))
+      self.bm.fork(parent, self.next_id)
+      self.tokens[self.next_id] = list(self.tokens[parent])
       self.next_id += 1
 
   @stateful.rule(data=st.data())
@@ -384,7 +436,7 @@ class BlockManagerMachine(stateful.RuleBasedStateMachine):
     preempted = self._ids(SeqStatus.PREEMPTED)
     if preempted:
       s = data.draw(st.sampled_from(preempted))
-      if self.bm.admit(s, None, resume=True) is not None:
+      if self.bm.admit(s, self.tokens[s], resume=True) is not None:
         self.bm.mark_computed(s)
 
   @stateful.rule(data=st.data())
@@ -409,6 +461,8 @@ class BlockManagerMachine(stateful.RuleBasedStateMachine):
   @stateful.invariant()
   def invariants_hold(self):
     self.bm.check_invariants()
+    for s in self.bm._seqs:
+      assert self.bm.num_tokens(s) == len(self.tokens[s]), s
 
   def teardown(self):
     for s in list(self.bm._seqs):

@@ -1,0 +1,361 @@
+"""The serving engine: requests in, streamed outputs out, one scheduled step at a time.
+
+  engine = Engine(params, cfg, cache=CacheConfig(page_size=16, num_pages=512))
+  engine.add_request([1, 2, 3], SamplingParams(max_tokens=32, temperature=0.8, seed=7))
+  while engine.has_unfinished():
+    for out in engine.step():           # deltas: out.outputs[i].new_token_ids
+      ...
+
+One step: the scheduler plans (decode rows, prefill chunks within the token budget, copy-on-write
+pairs, swaps, preemptions); the engine swaps pages out to / in from host memory
+(`page_ops.read_pages` / `write_pages`), applies the copies in conflict-free batches, turns the
+plan into padded arrays (`host.batching`), runs one jitted step (`step.sample_step`, or
+`step.multi_step_decode` for a k-step decode round), brings the sampled tokens back (the one
+sync), and lets the scheduler append them, fork or free sequences, and finish requests. The
+engine owns the params, the pool and the request seeds; everything else is in `host/`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from typing import Iterable, Iterator, NamedTuple, Sequence as Seq
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax import page_ops, step
+from paged_jax.config import CacheConfig, ModelConfig
+from paged_jax.host import batching
+from paged_jax.host.addressing import pages_needed
+from paged_jax.host.block_manager import BlockManager
+from paged_jax.host.scheduler import Scheduler, SchedulerConfig, StepPlan
+from paged_jax.host.sequence import (CompletionOutput, RequestOutput, Sequence, SequenceGroup,
+                                     SequenceStatus)
+from paged_jax.sampling import SamplingArrays, SamplingParams
+from paged_jax.state import AttentionMetadata, KVPool
+
+
+class StepFunctions(NamedTuple):
+  """The device steps the engine calls; tests swap in fakes (no model) with the same signature."""
+  sample_step: object = step.sample_step
+  multi_step_decode: object = step.multi_step_decode
+
+
+@dataclasses.dataclass
+class EngineStats:
+  """Counters and wall-clock split since the engine started.
+
+  Times: `prefill_s` / `decode_s` run from launching a step (with / without prefill chunks) to
+  its tokens on the host; `host_s` is everything else in `step()` (scheduling, block manager,
+  batching, swaps and copies dispatch, output building), `decode_host_s` the part of it spent
+  in decode-only steps.
+  """
+  steps: int = 0
+  prefill_steps: int = 0
+  decode_rounds: int = 0
+  decode_steps: int = 0
+  prefill_tokens: int = 0
+  decode_tokens: int = 0
+  preemptions: int = 0
+  swapped_out_pages: int = 0
+  swapped_in_pages: int = 0
+  recomputed_tokens: int = 0
+  cached_prompt_tokens: int = 0
+  cow_copies: int = 0
+  copy_batches: int = 0
+  max_pages_in_use: int = 0
+  prefill_s: float = 0.0
+  decode_s: float = 0.0
+  host_s: float = 0.0
+  decode_host_s: float = 0.0
+
+
+class Engine:
+  """Continuous batching over a paged KV pool.
+
+  Args:
+    params, cfg: the model.
+    cache: page size and pool size (or a memory budget to carve it from).
+    scheduler: batching and preemption policy.
+    impl: attention path ("auto", "xla", "pallas").
+    seed: draws the seed of every request that brings none.
+    tokenizer: a `tokenizers.Tokenizer`; outputs then carry text.
+    eos_token_ids: the model's end-of-sequence ids (one or several).
+    steps: the device steps (tests pass fakes).
+  """
+
+  def __init__(self, params, cfg: ModelConfig, *, cache: CacheConfig = CacheConfig(),
+               scheduler: SchedulerConfig = SchedulerConfig(), impl: str = "auto", seed: int = 0,
+               tokenizer=None, eos_token_ids: Iterable[int] = (),
+               steps: StepFunctions = StepFunctions()):
+    self.params, self.cfg, self.impl = params, cfg, impl
+    self.tokenizer = tokenizer
+    self.eos_token_ids = frozenset(_token_ids(eos_token_ids, cfg.vocab_size, "eos_token_ids"))
+    self.steps = steps
+    device = jax.devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    self.num_pages = cache.resolve_num_pages(cfg, stats)
+    self.page_size = cache.page_size
+    self.bm = BlockManager(self.num_pages, cache.page_size,
+                           enable_prefix_caching=cache.enable_prefix_caching)
+    self._seq_ids = itertools.count()
+    self.scheduler = Scheduler(self.bm, scheduler, lambda: next(self._seq_ids))
+    self.pool = KVPool.create(num_layers=cfg.num_layers, num_pages=self.num_pages,
+                              page_size=cache.page_size, num_kv_heads=cfg.num_kv_heads,
+                              head_dim=cfg.head_dim, dtype=cfg.dtype)
+    self.capacity_tokens = (self.num_pages - 1) * cache.page_size
+    self.stats = EngineStats()
+    self._rng = np.random.default_rng(seed)
+    self._swap: dict[str, tuple[np.ndarray, np.ndarray]] = {}   # request id -> host K, V
+    self._requests: dict[str, SequenceGroup] = {}
+    self._finished_outputs: list[RequestOutput] = []
+    self._ids = itertools.count()
+    logging.info("KV pool: %d pages x %d tokens = %d tokens (%.1f MiB)", self.num_pages - 1,
+                 cache.page_size, self.capacity_tokens,
+                 self.num_pages * cache.bytes_per_page(cfg) / 2 ** 20)
+
+  # ------------------------------------------------------------------------------ requests
+
+  def validate_request(self, prompt: Seq[int], params: SamplingParams) -> None:
+    """Raises ValueError, naming the value, for a request that can never run."""
+    cfg, sc = self.cfg, self.scheduler.config
+    prompt = list(prompt)
+    if not prompt:
+      raise ValueError("the prompt is empty")
+    _token_ids(prompt, cfg.vocab_size, "the prompt")
+    _token_ids(params.stop_token_ids, cfg.vocab_size, "stop_token_ids")
+    if len(prompt) + params.max_tokens > cfg.max_position:
+      raise ValueError(f"prompt of {len(prompt)} tokens + max_tokens={params.max_tokens} exceeds "
+                       f"the model's max_position={cfg.max_position}")
+    width = params.beam_width if params.use_beam_search else params.n
+    if width > sc.max_num_seqs:
+      raise ValueError(f"{'beam_width' if params.use_beam_search else 'n'}={width} exceeds "
+                       f"max_num_seqs={sc.max_num_seqs}")
+    top_n = max(params.logprobs, 2 * params.beam_width if params.use_beam_search else 0)
+    if top_n > cfg.vocab_size:
+      raise ValueError(f"logprobs={params.logprobs} / beam_width={params.beam_width} asks for "
+                       f"{top_n} tokens per step; the vocabulary has {cfg.vocab_size}")
+    need = self.pages_at_most(len(prompt), params)
+    if need > self.num_pages - 1:
+      raise ValueError(f"the request needs up to {need} pages (prompt {len(prompt)} + "
+                       f"max_tokens {params.max_tokens}, {width} sequence(s), page_size "
+                       f"{self.page_size}); the pool has {self.num_pages - 1}: it can never fit")
+
+  def pages_at_most(self, prompt_len: int, params: SamplingParams) -> int:
+    """Pages a request can hold at once: every sequence's K/V up to its last useful position,
+    the prompt's full pages shared by its samples or beams."""
+    per_seq = pages_needed(prompt_len + params.max_tokens - 1, self.page_size)
+    shared = prompt_len // self.page_size
+    width = params.beam_width if params.use_beam_search else params.n
+    return per_seq + (width - 1) * (per_seq - shared)
+
+  def add_request(self, prompt: Seq[int], params: SamplingParams = SamplingParams(), *,
+                  request_id: str | None = None, arrival_time: float | None = None) -> str:
+    """Queues a request; returns its id. Raises ValueError (and queues nothing) if it can never
+    run: bad token ids, longer than max_position, more pages than the whole pool."""
+    request_id = f"req-{next(self._ids)}" if request_id is None else str(request_id)
+    if request_id in self._requests:
+      raise ValueError(f"request_id={request_id!r} is already in use")
+    self.validate_request(prompt, params)
+    seed = params.seed if params.seed is not None else int(self._rng.integers(2 ** 32))
+    seq = Sequence(next(self._seq_ids), [int(t) for t in prompt], len(prompt))
+    group = SequenceGroup(request_id, tuple(seq.tokens), params, [seq], seed,
+                          eos_token_ids=self.eos_token_ids,
+                          arrival_time=time.perf_counter() if arrival_time is None else arrival_time)
+    self._requests[request_id] = group
+    self.scheduler.add(group)
+    return request_id
+
+  def abort(self, request_id: str) -> bool:
+    """Stops a request and frees its pages; the next `step()` reports it finished ("abort").
+    Returns False if it is unknown or already finished."""
+    group = self.scheduler.abort(request_id)
+    if group is None:
+      return False
+    self._swap.pop(request_id, None)
+    group.finish_time = time.perf_counter()
+    self._finished_outputs.append(self._output(group))
+    del self._requests[request_id]
+    return True
+
+  def has_unfinished(self) -> bool:
+    return self.scheduler.has_unfinished() or bool(self._finished_outputs)
+
+  # ------------------------------------------------------------------------------ the loop
+
+  def step(self) -> list[RequestOutput]:
+    """Runs one scheduled step. Returns an output for every request that got tokens or finished
+    (beam search requests report once, when they finish)."""
+    t0 = time.perf_counter()
+    outputs, self._finished_outputs = self._finished_outputs, []
+    plan = self.scheduler.schedule()
+    if not plan:
+      if self.scheduler.has_unfinished():
+        raise RuntimeError("no request can run although some are unfinished; this is a bug "
+                           "(add_request rejects what can never fit)")
+      self.stats.host_s += time.perf_counter() - t0
+      return outputs
+    self._apply_swaps_and_copies(plan)
+    device_s = 0.0
+    out = None
+    if plan.rows:
+      out, device_s = self._run(plan)
+    now = time.perf_counter()
+    groups = self.scheduler.update(plan, out) if out is not None else []
+    for g in groups:
+      if g.first_token_time is None:
+        g.first_token_time = now
+      if g.is_finished:
+        g.finish_time = now
+        del self._requests[g.request_id]
+      if g.is_finished or not g.params.use_beam_search:
+        outputs.append(self._output(g))
+    self._count(plan, device_s, time.perf_counter() - t0 - device_s)
+    return outputs
+
+  def stream(self) -> Iterator[RequestOutput]:
+    """Steps until every request has finished, yielding each output (a delta stream)."""
+    while self.has_unfinished():
+      yield from self.step()
+
+  def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams]
+               = SamplingParams()) -> list[RequestOutput]:
+    """Runs prompts to completion (with whatever else is queued); final outputs in prompt order."""
+    params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    if len(params) != len(prompts):
+      raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+      try:
+        self.validate_request(p, sp)
+      except ValueError as e:
+        raise ValueError(f"prompt {i}: {e}") from None
+    ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+    final = {}
+    for out in self.stream():
+      if out.finished:
+        final[out.request_id] = out
+    return [final[i] for i in ids]
+
+  # ------------------------------------------------------------------------------ device work
+
+  def _apply_swaps_and_copies(self, plan: StepPlan) -> None:
+    # Order matters: read swapped-out pages before anything reuses them, restore swapped-in
+    # pages, then copy (a copy may read a restored page), then the step writes.
+    for request_id, pages in plan.swap_out:
+      self._swap[request_id] = page_ops.read_pages(self.pool, pages)
+    for request_id, pages in plan.swap_in:
+      k, v = self._swap.pop(request_id)
+      self.pool = page_ops.write_pages(self.pool, jnp.asarray(pages, jnp.int32), jnp.asarray(k),
+                                       jnp.asarray(v))
+    for pairs in batching.copy_batches(plan.copies):
+      src, dst = batching.pad_copy_pairs(pairs)
+      page_ops.check_copy_batch(src, dst)
+      self.pool = page_ops.copy_pages(self.pool, jnp.asarray(src), jnp.asarray(dst))
+      self.stats.copy_batches += 1
+
+  def _run(self, plan: StepPlan) -> tuple[dict, float]:
+    """Builds the arrays, runs the step, brings the samples back: (host arrays, device seconds)."""
+    greedy_only = all(r.group.params.greedy for r in plan.rows)
+    top_n = max((2 * r.group.params.beam_width if r.group.params.use_beam_search
+                 else r.group.params.logprobs) for r in plan.rows)
+    num_logprobs = batching.next_pow2(top_n) if top_n else 0
+    if plan.num_steps > 1:
+      a = batching.build_decode_round(plan, self.bm)
+      state = step.DecodeState(*(jnp.asarray(a[n]) for n in
+                                 ("tokens", "positions", "block_tables", "write_limit")))
+      args = (self.params, self.pool, state, jax.device_put(a["sampling"]))
+      kw = dict(cfg=self.cfg, num_steps=plan.num_steps, impl=self.impl,
+                greedy_only=greedy_only, num_logprobs=num_logprobs)
+      fn = self.steps.multi_step_decode
+    else:
+      a = batching.build_step(plan, self.bm)
+      md = AttentionMetadata(jnp.asarray(a["block_tables"]), jnp.asarray(a["seq_lens"]),
+                             jnp.asarray(a["cu_q_lens"]), jnp.asarray(a["slots"]),
+                             max_q_len=a["max_q_len"], num_decode=a["num_decode"])
+      batch = step.Batch(jnp.asarray(a["tokens"]), jnp.asarray(a["positions"]), md,
+                         jnp.asarray(a["logits_indices"]))
+      args = (self.params, self.pool, batch, jax.device_put(a["sampling"]))
+      kw = dict(cfg=self.cfg, impl=self.impl, greedy_only=greedy_only, num_logprobs=num_logprobs)
+      fn = self.steps.sample_step
+    t = time.perf_counter()
+    sampled, self.pool = fn(*args, **kw)
+    out = jax.device_get(sampled)   # the one sync of the step
+    device_s = time.perf_counter() - t
+    host = {f.name: np.asarray(getattr(out, f.name)) for f in dataclasses.fields(out)}
+    if plan.num_steps == 1:   # [S] -> [1, S]: one layout for both kinds of step
+      host = {k: v[None] for k, v in host.items()}
+    return host, device_s
+
+  def _count(self, plan: StepPlan, device_s: float, host_s: float) -> None:
+    s, ss = self.stats, self.scheduler.stats
+    s.steps += 1
+    s.host_s += host_s
+    prefill = plan.prefill_rows
+    if prefill:
+      s.prefill_steps += 1
+      s.prefill_tokens += sum(r.stop - r.start for r in prefill)
+      s.prefill_s += device_s
+    elif plan.rows:
+      s.decode_rounds += 1
+      s.decode_s += device_s
+      s.decode_host_s += host_s
+    s.decode_steps += plan.num_steps if plan.rows and not prefill else 0
+    s.decode_tokens += len(plan.decode_rows) * plan.num_steps
+    for name in ("preemptions", "swapped_out_pages", "swapped_in_pages", "recomputed_tokens",
+                 "cached_prompt_tokens", "cow_copies"):
+      setattr(s, name, getattr(ss, name))
+    s.max_pages_in_use = max(s.max_pages_in_use, self.num_pages - 1 - self.bm.num_free_pages)
+
+  # ------------------------------------------------------------------------------ outputs
+
+  def _output(self, g: SequenceGroup) -> RequestOutput:
+    completions = []
+    for index, seq in enumerate(g.completions()):
+      tokens = seq.output_tokens
+      seen = g.num_reported.get(seq.seq_id, 0)
+      g.num_reported[seq.seq_id] = len(tokens)
+      text = new_text = None
+      if self.tokenizer is not None:   # EOS stays in token_ids, not in the text
+        text = self.tokenizer.decode([t for t in tokens if t not in g.eos_token_ids])
+        before = g.text_reported.get(seq.seq_id, "")
+        new_text = text[len(before):] if text.startswith(before) else text
+        g.text_reported[seq.seq_id] = text
+      score = g.beam_scores.get(seq.seq_id, seq.cumulative_logprob)
+      completions.append(CompletionOutput(
+          index=index, token_ids=tokens, new_token_ids=tokens[seen:], text=text,
+          new_text=new_text, logprobs=list(seq.logprobs),
+          top_logprobs=list(seq.top_logprobs) if g.params.logprobs else None,
+          cumulative_logprob=seq.cumulative_logprob, score=score,
+          finish_reason=seq.finish_reason.value if seq.finish_reason else None))
+    ttft = None if g.first_token_time is None else g.first_token_time - g.arrival_time
+    tpot = None
+    longest = max((len(c.token_ids) for c in completions), default=0)
+    if g.finish_time is not None and g.first_token_time is not None and longest > 1:
+      tpot = (g.finish_time - g.first_token_time) / (longest - 1)
+    return RequestOutput(g.request_id, list(g.prompt), completions, g.is_finished,
+                         g.arrival_time, ttft, tpot, g.finish_time)
+
+  # ------------------------------------------------------------------------------ metrics
+
+  def metrics(self) -> dict:
+    """Counters, KV usage and prefix-cache hit rate (from the block manager)."""
+    bm = self.bm.stats()
+    return {**dataclasses.asdict(self.stats), "kv_usage": bm["kv_usage"],
+            "prefix_hit_rate": bm["prefix_hit_rate"], "capacity_tokens": self.capacity_tokens,
+            "num_pages": self.num_pages, "page_size": self.page_size}
+
+
+def _token_ids(ids: Iterable[int], vocab_size: int, what: str) -> list[int]:
+  out = []
+  for t in ids:
+    if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+      raise ValueError(f"{what}: {t!r} is not a token id (an int)")
+    out.append(int(t))
+  bad = [t for t in out if not 0 <= t < vocab_size]
+  if bad:
+    raise ValueError(f"{what} has token ids outside [0, {vocab_size}): {bad[:5]}")
+  return out

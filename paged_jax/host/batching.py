@@ -1,0 +1,164 @@
+"""A step plan -> padded NumPy arrays for the device (`step.Batch` / `step.DecodeState`).
+
+Shapes are padded to buckets so each compiles once: rows and sample rows to powers of two
+(`next_pow2`), prefill tokens to `token_bucket` (powers of two up to 256, then eight steps per
+octave, so a 4,560-token prefill pads to 4,608, not 8,192), block-table width to a power of two
+(`pad_block_tables`). Layout of a mixed step (see `state.AttentionMetadata.num_decode`):
+decode rows first, one token each (padded to a power of two), then the prefill chunks' tokens.
+A padding decode row reads and writes slot 0 of NULL_PAGE; padding prefill rows are empty.
+NumPy only: the engine does the one `device_put`.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from paged_jax.host.addressing import slots_for_positions
+from paged_jax.host.block_manager import BlockManager
+from paged_jax.host.scheduler import StepPlan
+from paged_jax.sampling import SamplingArrays
+from paged_jax.state import NULL_PAGE
+
+
+def next_pow2(n: int, minimum: int = 1) -> int:
+  """Smallest power of two >= max(n, minimum)."""
+  return 1 << max(0, (max(n, minimum) - 1).bit_length())
+
+
+def token_bucket(n: int, minimum: int = 16) -> int:
+  """Padded token count: a power of two up to 256, then a multiple of 1/8 of the next power of
+  two (at most 12.5% padding, eight programs per octave)."""
+  p = next_pow2(n, minimum)
+  if p <= 256:
+    return p
+  granule = p // 16
+  return -(-n // granule) * granule
+
+
+def pad_block_tables(tables: Sequence[Sequence[int]], num_rows: int,
+                     width: int | None = None) -> np.ndarray:
+  """i32[num_rows, width] with NULL_PAGE past each table and in padding rows; width defaults to
+  next_pow2 of the longest table."""
+  longest = max((len(t) for t in tables), default=1)
+  width = next_pow2(longest) if width is None else width
+  if longest > width:
+    raise ValueError(f"a block table of {longest} pages does not fit width={width}")
+  out = np.full((num_rows, width), NULL_PAGE, np.int32)
+  for i, t in enumerate(tables):
+    out[i, :len(t)] = t
+  return out
+
+
+def sampling_rows(plan: StepPlan) -> list:
+  """(params, seed, sample_index, output_index) of every sample row, in the plan's row order."""
+  rows = []
+  for r in plan.rows:
+    g = r.group
+    for j in range(r.num_samples):
+      sample_index = j if r.num_samples > 1 else r.seq.sample_index
+      rows.append((g.params, g.seed, sample_index, r.seq.num_output_tokens))
+  return rows
+
+
+def build_step(plan: StepPlan, bm: BlockManager) -> dict:
+  """Arrays of a one-step plan (decode rows and prefill chunks mixed).
+
+  Returns a dict: tokens, positions, slots i32[num_tokens]; block_tables i32[num_rows, width];
+  seq_lens i32[num_rows]; cu_q_lens i32[num_rows + 1]; logits_indices i32[num_samples_padded]
+  (the token each sample row samples from); sampling (SamplingArrays); static max_q_len and
+  num_decode.
+  """
+  ps = bm.page_size
+  decode, prefill = plan.decode_rows, plan.prefill_rows
+  num_decode = next_pow2(len(decode)) if decode else 0
+  num_prefill_rows = next_pow2(len(prefill)) if prefill else 0
+  chunk_lens = [r.stop - r.start for r in prefill]
+  num_prefill_tokens = token_bucket(sum(chunk_lens)) if prefill else 0
+  num_rows = num_decode + num_prefill_rows
+  num_tokens = num_decode + num_prefill_tokens
+  rows = decode + prefill
+  tables = [bm.block_table(r.seq.seq_id) for r in rows]
+  block_tables = np.full((num_rows, next_pow2(max(map(len, tables)))), NULL_PAGE, np.int32)
+  for i, t in enumerate(tables):
+    block_tables[i if i < len(decode) else num_decode + i - len(decode), :len(t)] = t
+  tokens = np.zeros(num_tokens, np.int32)
+  positions = np.zeros(num_tokens, np.int32)
+  slots = np.zeros(num_tokens, np.int32)   # padding writes go to slot 0 of NULL_PAGE
+  seq_lens = np.zeros(num_rows, np.int32)
+  seq_lens[len(decode):num_decode] = 1      # padding decode rows read their own NULL_PAGE slot
+  cu = np.zeros(num_rows + 1, np.int32)
+  cu[1:num_decode + 1] = np.arange(1, num_decode + 1)
+  for i, r in enumerate(decode):
+    tokens[i] = r.seq.tokens[-1]
+    positions[i] = r.start
+    slots[i] = slots_for_positions(tables[i], [r.start], ps)[0]
+    seq_lens[i] = r.stop
+  offset = num_decode
+  for j, r in enumerate(prefill):
+    n = r.stop - r.start
+    tokens[offset:offset + n] = r.seq.tokens[r.start:r.stop]
+    positions[offset:offset + n] = np.arange(r.start, r.stop)
+    slots[offset:offset + n] = slots_for_positions(tables[len(decode) + j],
+                                                   np.arange(r.start, r.stop), ps)
+    seq_lens[num_decode + j] = r.stop
+    offset += n
+  cu[num_decode + 1:num_decode + len(prefill) + 1] = num_decode + np.cumsum(chunk_lens)
+  cu[num_decode + len(prefill) + 1:] = offset
+  num_samples = next_pow2(plan.num_samples)
+  logits_indices = np.zeros(num_samples, np.int32)
+  s = 0
+  for i, r in enumerate(rows):
+    last = i if r.is_decode else cu[num_decode + i - len(decode) + 1] - 1
+    logits_indices[s:s + r.num_samples] = last
+    s += r.num_samples
+  return dict(tokens=tokens, positions=positions, slots=slots, block_tables=block_tables,
+              seq_lens=seq_lens, cu_q_lens=cu, logits_indices=logits_indices,
+              sampling=SamplingArrays.from_rows(sampling_rows(plan), num_samples),
+              max_q_len=next_pow2(max(chunk_lens)) if prefill else 1, num_decode=num_decode)
+
+
+def build_decode_round(plan: StepPlan, bm: BlockManager) -> dict:
+  """Arrays of a k-step decode round: tokens, positions, write_limit i32[num_rows];
+  block_tables i32[num_rows, width]; sampling (SamplingArrays). Padding rows have write_limit 0."""
+  rows = plan.rows
+  num_rows = next_pow2(len(rows))
+  tokens = np.zeros(num_rows, np.int32)
+  positions = np.zeros(num_rows, np.int32)
+  limits = np.zeros(num_rows, np.int32)
+  for i, r in enumerate(rows):
+    tokens[i], positions[i], limits[i] = r.seq.tokens[-1], r.start, r.write_limit
+  tables = pad_block_tables([bm.block_table(r.seq.seq_id) for r in rows], num_rows)
+  return dict(tokens=tokens, positions=positions, block_tables=tables, write_limit=limits,
+              sampling=SamplingArrays.from_rows(sampling_rows(plan), num_rows))
+
+
+def copy_batches(pairs: Sequence[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+  """Splits copy-on-write pairs, in the order they arose, into conflict-free batches: within a
+  batch no page is a destination twice and no destination is also a source (XLA leaves the
+  order of conflicting scatters unspecified). A pair that conflicts starts the next batch."""
+  batches: list[list[tuple[int, int]]] = []
+  current: list[tuple[int, int]] = []
+  srcs: set[int] = set()
+  dsts: set[int] = set()
+  for src, dst in pairs:
+    if src in dsts or dst in srcs or dst in dsts:
+      batches.append(current)
+      current, srcs, dsts = [], set(), set()
+    current.append((src, dst))
+    srcs.add(src)
+    dsts.add(dst)
+  if current:
+    batches.append(current)
+  return batches
+
+
+def pad_copy_pairs(pairs: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+  """(src, dst) i32[next_pow2(len(pairs))], padded with NULL_PAGE -> NULL_PAGE (harmless)."""
+  n = next_pow2(len(pairs))
+  src = np.full(n, NULL_PAGE, np.int32)
+  dst = np.full(n, NULL_PAGE, np.int32)
+  if pairs:
+    src[:len(pairs)], dst[:len(pairs)] = zip(*pairs)
+  return src, dst

@@ -1,0 +1,422 @@
+"""Continuous batching at iteration level: which sequences run in the next step, and how.
+
+`Scheduler.schedule()` returns a `StepPlan` under a per-step token budget:
+
+1. decode rows first (every running sequence whose tokens are all computed but the last), oldest
+   request first; growing them may preempt the newest running request (its samples or beams go
+   together), by swap (to bounded host memory, sharing kept) or by recompute;
+2. then, if nothing was preempted, swapped requests come back (before any new admission);
+3. then chunks of prompts being prefilled, with what is left of the budget;
+4. then new requests, first come first served, while pages, rows and budget allow.
+
+When no prompt is being prefilled and no request can be admitted, the plan is a multi-step
+decode round: the host reserves pages for k tokens per sequence and the device runs k steps.
+`update()` applies a step's samples (through the request's policy: parallel sampling or beam
+search) and finishes what must stop. Plain Python over the block manager; nothing is traced.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Callable
+
+from paged_jax.host.addressing import pages_needed
+from paged_jax.host.block_manager import BlockManager
+from paged_jax.host.group_policy import policy_for, samples_from
+from paged_jax.host.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
+
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+  """Scheduling policy.
+
+  Attributes:
+    max_num_seqs: most sequences (batch rows) running at once.
+    max_num_batched_tokens: per-step token budget: decode rows (1 token each) plus prefill chunks.
+    steps_per_sync: k of a multi-step decode round (decode steps per host sync).
+    preemption_mode: "recompute" (free the pages, recompute later; requests with several
+      sequences are swapped, as in vLLM v0) or "swap" (every request in decode is swapped).
+      A request still prefilling its prompt is always recomputed; a swap that does not fit
+      the swap space falls back to recompute.
+    swap_space_pages: host memory for swapped pages, in pages; None = as many as the pool.
+    watermark: fraction of the pool kept free at admission, so decoding sequences can grow
+      without preempting at once (vLLM v0's default 1%).
+  """
+  max_num_seqs: int = 64
+  max_num_batched_tokens: int = 2048
+  steps_per_sync: int = 4
+  preemption_mode: str = "recompute"
+  swap_space_pages: int | None = None
+  watermark: float = 0.01
+
+  def __post_init__(self):
+    if self.preemption_mode not in PREEMPTION_MODES:
+      raise ValueError(f"preemption_mode={self.preemption_mode!r} is not one of {PREEMPTION_MODES}")
+    for name in ("max_num_seqs", "max_num_batched_tokens", "steps_per_sync"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+    if self.max_num_batched_tokens < self.max_num_seqs:
+      raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
+                       f"max_num_seqs={self.max_num_seqs} (every decode row takes one token)")
+    if self.swap_space_pages is not None and self.swap_space_pages < 0:
+      raise ValueError(f"swap_space_pages={self.swap_space_pages} must be >= 0")
+    if not 0 <= self.watermark < 1:
+      raise ValueError(f"watermark={self.watermark} must be in [0, 1)")
+
+
+@dataclasses.dataclass
+class Row:
+  """One row of a step: a decode row (start = len - 1, stop = len) or a prefill chunk.
+
+  `num_samples` tokens are sampled from its last query: 0 for a chunk that does not finish the
+  sequence's tokens, n for a prompt sampled n times, else 1. In a k-step round a decode row
+  writes K/V only at positions < `write_limit` (its request's last useful position).
+  """
+  group: SequenceGroup
+  seq: Sequence
+  start: int
+  stop: int
+  num_samples: int
+  is_decode: bool
+  write_limit: int = 0
+
+
+@dataclasses.dataclass
+class StepPlan:
+  """What one engine step runs (host objects; `host.batching` turns it into device arrays).
+
+  Attributes:
+    rows: decode rows first (in `decode_rows`), then prefill chunks.
+    num_steps: k > 1 only for a decode-only round (every row then samples once per step).
+    copies: copy-on-write (src, dst) pairs in the order they arose.
+    swap_out / swap_in: (request id, pages) to copy to / from host memory, in that order.
+    preempted: requests preempted this step.
+  """
+  rows: list[Row] = dataclasses.field(default_factory=list)
+  num_steps: int = 1
+  copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+  swap_out: list[tuple[str, tuple[int, ...]]] = dataclasses.field(default_factory=list)
+  swap_in: list[tuple[str, tuple[int, ...]]] = dataclasses.field(default_factory=list)
+  preempted: list[SequenceGroup] = dataclasses.field(default_factory=list)
+
+  @property
+  def decode_rows(self) -> list[Row]:
+    return [r for r in self.rows if r.is_decode]
+
+  @property
+  def prefill_rows(self) -> list[Row]:
+    return [r for r in self.rows if not r.is_decode]
+
+  @property
+  def num_samples(self) -> int:
+    return sum(r.num_samples for r in self.rows)
+
+  def __bool__(self) -> bool:
+    return bool(self.rows or self.swap_out or self.swap_in)
+
+
+@dataclasses.dataclass
+class SchedulerStats:
+  preemptions: int = 0           # requests preempted (each counts once per preemption)
+  swapped_out_pages: int = 0
+  swapped_in_pages: int = 0
+  recomputed_tokens: int = 0     # tokens prefilled again after a recompute preemption
+  cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache at admission
+  cow_copies: int = 0
+
+
+class Scheduler:
+  """Waiting, running and swapped requests over one block manager.
+
+  Args:
+    bm: the block manager (owns the pages).
+    config: the policy.
+    new_seq_id: returns a fresh sequence id (forks and beams need them).
+  """
+
+  def __init__(self, bm: BlockManager, config: SchedulerConfig, new_seq_id: Callable[[], int]):
+    self.bm = bm
+    self.config = config
+    self.new_seq_id = new_seq_id
+    self.waiting: collections.deque[SequenceGroup] = collections.deque()
+    self.running: list[SequenceGroup] = []     # by admission order, oldest first
+    self.swapped: list[SequenceGroup] = []     # by admission order
+    self.stats = SchedulerStats()
+    self.swap_space_pages = (bm.num_pages - 1 if config.swap_space_pages is None
+                             else config.swap_space_pages)
+    self.swap_pages_used = 0
+    self._swap_pages: dict[str, int] = {}
+    self._next_order = 0
+
+  # ----------------------------------------------------------------------------- queries
+
+  def has_unfinished(self) -> bool:
+    return bool(self.waiting or self.running or self.swapped)
+
+  def num_running_seqs(self) -> int:
+    return sum(len(g.seqs) for g in self.running)
+
+  def groups(self):
+    yield from self.waiting
+    yield from self.running
+    yield from self.swapped
+
+  @staticmethod
+  def _in_prefill(seq: Sequence) -> bool:
+    return seq.status is SequenceStatus.PREFILL
+
+  def _samples_when_done(self, group: SequenceGroup, seq: Sequence) -> int:
+    """Tokens to sample once `seq`'s last token is computed: n for a fresh prompt sampled n
+    times (parallel sampling forks there), else 1."""
+    fresh = seq.num_output_tokens == 0 and not group.params.use_beam_search
+    return group.params.n if fresh else 1
+
+  # ----------------------------------------------------------------------------- lifecycle
+
+  def add(self, group: SequenceGroup) -> None:
+    self.waiting.append(group)
+
+  def abort(self, request_id: str) -> SequenceGroup | None:
+    """Removes a request wherever it is and frees its pages; returns it (None if unknown)."""
+    for queue in (self.waiting, self.running, self.swapped):
+      for g in queue:
+        if g.request_id == request_id:
+          queue.remove(g)
+          for seq in list(g.seqs):
+            if seq.seq_id in self.bm:
+              self.bm.free(seq.seq_id)
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.ABORT
+            g.finished.append(seq)
+          g.seqs = []
+          g.aborted = True
+          self.swap_pages_used -= self._swap_pages.pop(request_id, 0)
+          return g
+    return None
+
+  # ----------------------------------------------------------------------------- schedule
+
+  def schedule(self) -> StepPlan:
+    plan = StepPlan()
+    cfg = self.config
+    budget = cfg.max_num_batched_tokens
+    self._pending: list[tuple[int, int, int]] = []   # (seq_id, src, dst) copy-on-write pairs
+    multi = self._can_run_multi_step()
+    k = cfg.steps_per_sync if multi else 1
+
+    # 1. Decode rows, oldest request first. Growth may preempt the newest request.
+    i = 0
+    while i < len(self.running):
+      g = self.running[i]
+      decoding = [s for s in g.seqs if not self._in_prefill(s)]
+      if g.params.use_beam_search and len(decoding) < len(g.seqs):
+        decoding = []   # beams advance together: wait until every beam is recomputed
+      if decoding and not self._grow(g, decoding, k, plan):
+        continue   # g itself was preempted (it was the newest); the list shrank at i
+      for s in decoding:
+        limit = min(len(s.tokens) + k - 1, len(g.prompt) + g.params.max_tokens - 1)
+        plan.rows.append(Row(g, s, len(s.tokens) - 1, len(s.tokens),
+                             self._samples_when_done(g, s), True, limit))
+        budget -= 1
+      i += 1
+
+    if not multi:
+      if not plan.preempted:
+        budget = self._swap_in(plan, budget)
+      budget = self._prefill_running(plan, budget)
+      if not plan.preempted and not self.swapped:
+        self._admit(plan, budget)
+    plan.num_steps = k if multi and plan.rows else 1
+    plan.copies = [(src, dst) for _, src, dst in self._pending]
+    self.stats.cow_copies += len(plan.copies)
+    return plan
+
+  def _can_run_multi_step(self) -> bool:
+    """A k-step round needs: no prompt being prefilled, no request that could be admitted or
+    swapped in, no beam search (it selects every step), no prompt sampled n times."""
+    if self.config.steps_per_sync == 1 or self.swapped:
+      return False
+    for g in self.running:
+      if g.params.use_beam_search:
+        return False
+      for s in g.seqs:
+        if self._in_prefill(s) or self._samples_when_done(g, s) > 1:
+          return False
+    if self.waiting:
+      head = self.waiting[0]
+      rows_ok = self.num_running_seqs() + head.max_seqs <= self.config.max_num_seqs
+      need = sum(pages_needed(len(s.tokens), self.bm.page_size) for s in head.seqs)
+      if rows_ok and need <= self.bm.num_free_pages:
+        return False
+    return True
+
+  def _grow(self, g: SequenceGroup, seqs: list[Sequence], k: int, plan: StepPlan) -> bool:
+    """Tells the block manager the new tokens of g's decoding sequences and reserves slots for a
+    k-step round, preempting the newest requests while it does not fit. False if g itself was
+    preempted."""
+    for s in seqs:
+      new = s.tokens[self.bm.num_tokens(s.seq_id):]
+      extra = max(0, min(k - 1, len(g.prompt) + g.params.max_tokens - 1 - len(s.tokens)))
+      while True:
+        if new:
+          growth = self.bm.append_tokens(s.seq_id, new)
+          if growth is not None:
+            self._pending.extend((s.seq_id, a, b) for a, b in growth.copies)
+            new = []
+        if not new:
+          growth = self.bm.reserve(s.seq_id, extra)
+          if growth is not None:
+            self._pending.extend((s.seq_id, a, b) for a, b in growth.copies)
+            break
+        victim = self.running[-1]
+        self._preempt(victim, plan)
+        if victim is g:
+          return False
+      self.bm.mark_computed(s.seq_id, len(s.tokens) - 1)
+    return True
+
+  def _preempt(self, g: SequenceGroup, plan: StepPlan) -> None:
+    """Frees g's pages: swap (a decoding request with several sequences, or any decoding
+    request in swap mode, when the swap space allows) or recompute."""
+    self.running.remove(g)
+    plan.preempted.append(g)
+    plan.rows = [r for r in plan.rows if r.group is not g]
+    ids = [s.seq_id for s in g.seqs]
+    pending = {dst: src for sid, src, dst in self._pending if sid in ids}
+    self._pending = [c for c in self._pending if c[0] not in ids]   # its copies must not run
+    self.stats.preemptions += 1
+    prefilling = any(self._in_prefill(s) for s in g.seqs)
+    want_swap = not prefilling and (self.config.preemption_mode == "swap" or len(g.seqs) > 1)
+    pages = {p for i in ids for p in self.bm.block_table(i)}
+    if want_swap and self.swap_pages_used + len(pages) <= self.swap_space_pages:
+      out = self.bm.swap_out(ids)
+      # A page whose copy-on-write was cancelled above holds nothing yet: save its source.
+      plan.swap_out.append((g.request_id, tuple(pending.get(p, p) for p in out.pages)))
+      self.swap_pages_used += len(out.pages)
+      self._swap_pages[g.request_id] = len(out.pages)
+      self.stats.swapped_out_pages += len(out.pages)
+      for s in g.seqs:
+        s.status = SequenceStatus.SWAPPED
+      self._insert(self.swapped, g)
+    else:
+      for s in g.seqs:
+        self.bm.preempt_recompute(s.seq_id)
+        s.status = SequenceStatus.WAITING
+      waiting = sorted([g] + [w for w in self.waiting if w.order is not None],
+                       key=lambda w: w.order)
+      fresh = [w for w in self.waiting if w.order is None]
+      self.waiting = collections.deque(waiting + fresh)   # preempted requests go first
+
+  def _swap_in(self, plan: StepPlan, budget: int) -> int:
+    while self.swapped:
+      g = self.swapped[0]
+      n = self._swap_pages[g.request_id]
+      rows_ok = self.num_running_seqs() + g.max_seqs <= self.config.max_num_seqs
+      # Room for the pages and for one new page per sequence, so it can decode at once.
+      if not rows_ok or len(g.seqs) > budget or n + len(g.seqs) > self.bm.num_free_pages:
+        break
+      back = self.bm.swap_in([s.seq_id for s in g.seqs])
+      assert back is not None
+      self.swapped.pop(0)
+      self.swap_pages_used -= self._swap_pages.pop(g.request_id)
+      self.stats.swapped_in_pages += len(back.pages)
+      plan.swap_in.append((g.request_id, back.pages))
+      for s in g.seqs:
+        s.status = SequenceStatus.DECODE
+      self._insert(self.running, g)
+      grown = self._grow(g, g.seqs, 1, plan)
+      assert grown, "a swap-in reserved a page per sequence: growing by one token must fit"
+      for s in g.seqs:
+        plan.rows.append(Row(g, s, len(s.tokens) - 1, len(s.tokens), 1, True, len(s.tokens)))
+        budget -= 1
+    return budget
+
+  def _prefill_running(self, plan: StepPlan, budget: int) -> int:
+    for g in list(self.running):
+      for s in g.seqs:
+        if budget <= 0 or not self._in_prefill(s):
+          continue
+        budget -= self._add_chunk(plan, g, s, budget)
+    return budget
+
+  def _add_chunk(self, plan: StepPlan, g: SequenceGroup, s: Sequence, budget: int) -> int:
+    """The next prefill chunk of s within the budget; returns its token count."""
+    start = self.bm.num_computed(s.seq_id)
+    end = len(s.tokens)
+    if g.params.use_beam_search and s.num_output_tokens:
+      end -= 1   # a recomputed beam stops short: all beams then take one decode step together
+    stop = min(end, start + budget)
+    if stop <= start:
+      return 0
+    done = stop == len(s.tokens)
+    plan.rows.append(Row(g, s, start, stop, self._samples_when_done(g, s) if done else 0, False))
+    return stop - start
+
+  def _admit(self, plan: StepPlan, budget: int) -> None:
+    cfg = self.config
+    watermark = int(cfg.watermark * (self.bm.num_pages - 1))
+    while self.waiting and budget > 0:
+      g = self.waiting[0]
+      if self.num_running_seqs() + g.max_seqs > cfg.max_num_seqs:
+        break
+      need = sum(pages_needed(len(s.tokens), self.bm.page_size) for s in g.seqs)
+      if self.running and self.bm.num_free_pages - need < watermark:
+        break
+      admitted = []
+      for s in g.seqs:
+        resume = s.seq_id in self.bm
+        adm = self.bm.admit(s.seq_id, s.tokens, resume=resume)
+        if adm is None:
+          break
+        admitted.append((s, resume, adm))
+      if len(admitted) < len(g.seqs):   # all or nothing for the request
+        for s, resume, _ in admitted:
+          (self.bm.preempt_recompute if resume else self.bm.free)(s.seq_id)
+        break
+      self.waiting.popleft()
+      for s, resume, adm in admitted:
+        s.status = SequenceStatus.PREFILL
+        if resume:
+          self.stats.recomputed_tokens += len(s.tokens) - adm.num_cached_tokens
+        else:
+          self.stats.cached_prompt_tokens += adm.num_cached_tokens
+      if g.order is None:
+        g.order = self._next_order
+        self._next_order += 1
+      self._insert(self.running, g)
+      for s in g.seqs:   # (a prompt cached but for its last token is a 1-token chunk)
+        if budget > 0:
+          budget -= self._add_chunk(plan, g, s, budget)
+
+  @staticmethod
+  def _insert(queue: list[SequenceGroup], g: SequenceGroup) -> None:
+    queue.append(g)
+    queue.sort(key=lambda w: w.order)
+
+  # ----------------------------------------------------------------------------- update
+
+  def update(self, plan: StepPlan, out: dict) -> list[SequenceGroup]:
+    """Applies a step's samples. `out` holds host arrays tokens / logprob i32|f32[num_steps, S]
+    and top_ids / top_logprobs [num_steps, S, N], sample rows in `plan.rows` order.
+
+    Returns the requests that got tokens or finished (in row order, each once).
+    """
+    touched: dict[int, tuple[SequenceGroup, list]] = {}
+    index = 0
+    for row in plan.rows:
+      if not row.is_decode:
+        self.bm.mark_computed(row.seq.seq_id, row.stop)
+        if row.stop >= len(row.seq.tokens) - 1:   # all but (at most) the last token computed
+          row.seq.status = SequenceStatus.DECODE
+      if not row.num_samples:
+        continue
+      samples = [samples_from(out, index + j) for j in range(row.num_samples)]
+      index += row.num_samples
+      touched.setdefault(id(row.group), (row.group, []))[1].append((row.seq, samples))
+    for g, rows in touched.values():
+      policy_for(g).update(g, rows, self.bm, self.new_seq_id)
+      if g.is_finished:
+        self.running.remove(g)
+    return [g for g, _ in touched.values()]
