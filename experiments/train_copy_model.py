@@ -51,11 +51,14 @@ def model_config(cfg: TrainConfig) -> ModelConfig:
 
 def make_tokenizer():
   import tokenizers
-  from tokenizers import models, pre_tokenizers, decoders
+  from tokenizers import decoders, models, pre_tokenizers, processors
   vocab = {t: i for i, t in enumerate(SPECIALS + LETTERS)}
   tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
   tok.pre_tokenizer = pre_tokenizers.Whitespace()
   tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)   # joins words with spaces
+  # encode("h e l l o") frames the letters as the task's prompt: <bos> h e l l o <sep>.
+  tok.post_processor = processors.TemplateProcessing(
+      single="<bos> $A <sep>", special_tokens=[("<bos>", BOS), ("<sep>", SEP)])
   return tok
 
 
@@ -134,7 +137,8 @@ def main(argv):
   t = time.perf_counter()
   params, mcfg, _ = train(cfg)
   print(f"trained in {time.perf_counter() - t:.0f} s")
-  checkpoint.save_checkpoint(params, mcfg, _OUT.value, tokenizer=make_tokenizer())
+  checkpoint.save_checkpoint(params, mcfg, _OUT.value, tokenizer=make_tokenizer(),
+                             bos_token_id=BOS, eos_token_id=EOS)
   print(f"saved to {_OUT.value}; evaluate with: python -m experiments.copy_eval --model={_OUT.value}")
 
 

@@ -172,7 +172,29 @@ def load_checkpoint(path: str, dtype: str = "float32"):
   return params, cfg, load_tokenizer(path)
 
 
-def save_checkpoint(params, cfg: ModelConfig, path: str, tokenizer=None) -> None:
+def load_eos_token_ids(path: str) -> tuple[int, ...]:
+  """The checkpoint's end-of-sequence ids: generation_config.json's eos_token_id if present, else
+  config.json's (an int or a list in either); () if neither names one."""
+  for name in ("generation_config.json", "config.json"):
+    file = os.path.join(path, name)
+    if not os.path.exists(file):
+      continue
+    try:
+      with open(file) as f:
+        eos = json.load(f).get("eos_token_id")
+    except json.JSONDecodeError as e:
+      raise CheckpointError(f"{file}: not valid JSON ({e})") from None
+    if eos is None:
+      continue
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+      raise CheckpointError(f"{file}: eos_token_id={eos!r} must be a token id or a list of them")
+    return tuple(ids)
+  return ()
+
+
+def save_checkpoint(params, cfg: ModelConfig, path: str, tokenizer=None, *,
+                    bos_token_id: int | None = None, eos_token_id: int | None = None) -> None:
   """Writes params in Hugging Face Llama format (config.json, model.safetensors, tokenizer.json)."""
   from safetensors.numpy import save_file
   os.makedirs(path, exist_ok=True)
@@ -184,6 +206,10 @@ def save_checkpoint(params, cfg: ModelConfig, path: str, tokenizer=None) -> None
         "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": cfg.attention_bias,
         "max_position_embeddings": cfg.max_position, "hidden_act": "silu",
         "torch_dtype": "float32"}
+  if bos_token_id is not None:
+    hf["bos_token_id"] = bos_token_id
+  if eos_token_id is not None:
+    hf["eos_token_id"] = eos_token_id
   if cfg.sliding_window is not None:
     raise ValueError("save_checkpoint writes Llama format, which has no sliding window")
   tensors = {}

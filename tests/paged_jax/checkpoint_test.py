@@ -166,12 +166,29 @@ class CheckpointErrorsTest(absltest.TestCase):
     from paged_jax import embedded
     params, cfg, tokenizer = embedded.load_embedded()
     self.assertEqual(cfg.vocab_size, 32)
-    self.assertEqual(tokenizer.encode("a b z").ids, [4, 5, 29])   # after 4 special tokens
+    # Letters after 4 special tokens, framed as the copy task's prompt: <bos> ... <sep>.
+    self.assertEqual(tokenizer.encode("a b z").ids, [embedded.BOS, 4, 5, 29, embedded.SEP])
     self.assertEqual(tokenizer.decode([4, 5, 29]), "a b z")
+    self.assertEqual(checkpoint.load_eos_token_ids(embedded.EMBEDDED_MODEL_DIR), (embedded.EOS,))
     with open(os.path.join(self.dir, "tokenizer.json"), "w") as f:
       f.write("{not json")
     with self.assertRaisesRegex(checkpoint.CheckpointError, "cannot read the tokenizer"):
       checkpoint.load_checkpoint(self.dir)
+
+  def test_eos_ids_from_generation_config_then_config(self):
+    self.assertEqual(checkpoint.load_eos_token_ids(self.dir), ())
+    with open(os.path.join(self.dir, "config.json")) as f:
+      hf = json.load(f)
+    with open(os.path.join(self.dir, "config.json"), "w") as f:
+      json.dump({**hf, "eos_token_id": 5}, f)
+    self.assertEqual(checkpoint.load_eos_token_ids(self.dir), (5,))
+    with open(os.path.join(self.dir, "generation_config.json"), "w") as f:
+      json.dump({"eos_token_id": [7, 9]}, f)   # several, and it takes precedence
+    self.assertEqual(checkpoint.load_eos_token_ids(self.dir), (7, 9))
+    with open(os.path.join(self.dir, "generation_config.json"), "w") as f:
+      json.dump({"eos_token_id": "x"}, f)
+    with self.assertRaisesRegex(checkpoint.CheckpointError, "eos_token_id='x' must be"):
+      checkpoint.load_eos_token_ids(self.dir)
 
   def test_truncated_safetensors(self):
     file = os.path.join(self.dir, "model.safetensors")

@@ -238,7 +238,8 @@ class EngineTest(absltest.TestCase):
     params, cfg, tok = embedded.load_embedded()
     e = Engine(params, cfg, cache=CacheConfig(page_size=4, num_pages=40), tokenizer=tok,
                eos_token_ids=[embedded.EOS], impl="xla")
-    prompt = [embedded.BOS] + tok.encode("h e l l o").ids + [embedded.SEP]
+    prompt = tok.encode("h e l l o").ids   # the tokenizer frames it: <bos> h e l l o <sep>
+    self.assertEqual((prompt[0], prompt[-1], len(prompt)), (embedded.BOS, embedded.SEP, 7))
     e.add_request(prompt, SamplingParams(max_tokens=12))
     text = ""
     for out in e.stream():

@@ -1,0 +1,315 @@
+"""Serve requests through the engine; report throughput, latency, KV usage and cache hits.
+
+  python -m paged_jax.serve                              # embedded model, ShareGPT-like workload
+  python -m paged_jax.serve --prompt="h e l l o" --prompt="p a g e d"   # the embedded copy model
+  python -m paged_jax.serve --model=/path/to/hf_dir --prompts_file=requests.jsonl
+  python -m paged_jax.serve --workload=alpaca --num_requests=500 --request_rate=20 --json=out.json
+
+Requests come from --prompt flags (text, through the checkpoint's tokenizer), from a JSONL file
+(one object per line: "prompt" text or "prompt_token_ids", and optionally max_tokens, temperature,
+top_k, top_p, n, beam_width, seed, ignore_eos), or from a synthetic workload (lengths as in
+../shared/WORKLOADS.md, token ids uniform over the vocabulary, EOS ignored so lengths hold).
+They arrive as a Poisson process at --request_rate (inf: all at once). At the end: input and
+output tokens/s, TTFT and TPOT percentiles (p50 / p90 / p99), the paper's normalized latency,
+peak KV usage, prefix-cache hit rate and preemptions; --json writes the same as JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+
+from absl import app, flags
+import jax
+import numpy as np
+
+from paged_jax import checkpoint, embedded, workloads
+from paged_jax.config import CacheConfig
+from paged_jax.engine import Engine
+from paged_jax.host.scheduler import SchedulerConfig
+from paged_jax.sampling import SamplingParams
+
+_SAMPLING_KEYS = ("max_tokens", "temperature", "top_k", "top_p", "n", "beam_width", "seed",
+                  "ignore_eos", "logprobs", "length_penalty", "stop_token_ids")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+  """Everything `run` needs; `main` fills it from flags. See the flags for each field."""
+  model_dir: str | None = None
+  prompts: tuple[str, ...] = ()
+  prompts_file: str | None = None
+  workload: str = "sharegpt"
+  num_requests: int = 64
+  request_rate: float = math.inf
+  max_tokens: int | None = None
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  n: int = 1
+  beam_width: int = 1
+  ignore_eos: bool | None = None
+  page_size: int = 16
+  num_pages: int | None = None
+  kv_cache_bytes: int | None = None
+  kv_cache_fraction: float | None = None
+  max_num_seqs: int = 64
+  max_num_batched_tokens: int = 2048
+  steps_per_sync: int = 4
+  preemption_mode: str = "recompute"
+  enable_prefix_caching: bool = True
+  impl: str = "auto"
+  dtype: str = "float32"
+  seed: int = 0
+  warmup: bool = False
+  progress: bool = True
+
+
+@dataclasses.dataclass
+class _Request:
+  prompt: list[int]
+  params: SamplingParams
+  arrival: float
+
+
+def load_model(cfg: ServeConfig):
+  """(params, model config, tokenizer, eos ids) of --model or the embedded model."""
+  path = cfg.model_dir or embedded.EMBEDDED_MODEL_DIR
+  params, mcfg, tokenizer = checkpoint.load_checkpoint(path, cfg.dtype)
+  return params, mcfg, tokenizer, checkpoint.load_eos_token_ids(path)
+
+
+def make_requests(cfg: ServeConfig, mcfg, tokenizer) -> list[_Request]:
+  """The requests to serve, with arrival times (seconds from the start)."""
+  rng = np.random.default_rng(cfg.seed)
+  base = dict(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, n=cfg.n,
+              beam_width=cfg.beam_width)
+  if cfg.prompts and cfg.prompts_file:
+    raise ValueError("give --prompt or --prompts_file, not both")
+  specs = []   # (token ids, per-request overrides)
+  if cfg.prompts:
+    if tokenizer is None:
+      raise ValueError("--prompt needs a tokenizer (the checkpoint has no tokenizer.json); give "
+                       "token ids through --prompts_file instead")
+    specs = [(tokenizer.encode(p).ids, {}) for p in cfg.prompts]
+  elif cfg.prompts_file:
+    with open(cfg.prompts_file) as f:
+      for line_no, line in enumerate(f, 1):
+        if not line.strip():
+          continue
+        try:
+          obj = json.loads(line)
+        except json.JSONDecodeError as e:
+          raise ValueError(f"{cfg.prompts_file}:{line_no}: not JSON ({e})") from None
+        if "prompt_token_ids" in obj:
+          ids = obj["prompt_token_ids"]
+        elif "prompt" in obj:
+          if tokenizer is None:
+            raise ValueError(f"{cfg.prompts_file}:{line_no}: a text prompt needs a tokenizer; "
+                             f"give prompt_token_ids")
+          ids = tokenizer.encode(obj["prompt"]).ids
+        else:
+          raise ValueError(f"{cfg.prompts_file}:{line_no}: needs 'prompt' or 'prompt_token_ids'")
+        unknown = set(obj) - {"prompt", "prompt_token_ids"} - set(_SAMPLING_KEYS)
+        if unknown:
+          raise ValueError(f"{cfg.prompts_file}:{line_no}: unknown keys {sorted(unknown)}")
+        specs.append((ids, {k: obj[k] for k in _SAMPLING_KEYS if k in obj}))
+  if specs:
+    ignore_eos = bool(cfg.ignore_eos)
+    requests = []
+    for ids, over in specs:
+      room = mcfg.max_position - len(ids)
+      max_tokens = cfg.max_tokens or max(1, min(64, room))
+      params = SamplingParams(**{**base, "max_tokens": max_tokens, "ignore_eos": ignore_eos,
+                                 **over})
+      requests.append(_Request(list(ids), params, 0.0))
+  else:
+    lens_in, lens_out = workloads.sample_lengths(rng, cfg.workload, cfg.num_requests,
+                                                 max_total=mcfg.max_position)
+    prompts = workloads.random_prompts(rng, lens_in, mcfg.vocab_size)
+    ignore_eos = True if cfg.ignore_eos is None else cfg.ignore_eos
+    requests = [_Request(p, SamplingParams(**{**base, "max_tokens": cfg.max_tokens or int(o),
+                                              "ignore_eos": ignore_eos}), 0.0)
+                for p, o in zip(prompts, lens_out)]
+  arrivals = workloads.poisson_arrivals(rng, len(requests), cfg.request_rate)
+  for r, t in zip(requests, arrivals):
+    r.arrival = float(t)
+  return requests
+
+
+def make_engine(cfg: ServeConfig, params, mcfg, tokenizer, eos) -> Engine:
+  cache = CacheConfig(page_size=cfg.page_size, num_pages=cfg.num_pages,
+                      memory_bytes=cfg.kv_cache_bytes, memory_fraction=cfg.kv_cache_fraction,
+                      enable_prefix_caching=cfg.enable_prefix_caching)
+  sched = SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
+                          max_num_batched_tokens=cfg.max_num_batched_tokens,
+                          steps_per_sync=cfg.steps_per_sync, preemption_mode=cfg.preemption_mode)
+  return Engine(params, mcfg, cache=cache, scheduler=sched, impl=cfg.impl, seed=cfg.seed,
+                tokenizer=tokenizer, eos_token_ids=eos)
+
+
+def serve(engine: Engine, requests: list[_Request], *, progress: bool = False):
+  """Feeds requests at their arrival times and steps the engine until all finish.
+  Returns (final outputs in request order, wall seconds)."""
+  from tqdm import tqdm
+  for r in requests:   # refuse a bad request before anything runs
+    engine.validate_request(r.prompt, r.params)
+  order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
+  ids: dict[str, int] = {}
+  final = {}
+  start = time.perf_counter()
+  nxt = 0
+  with tqdm(total=len(requests), disable=not progress, unit="req", desc="serve") as bar:
+    while nxt < len(order) or engine.has_unfinished():
+      now = time.perf_counter() - start
+      while nxt < len(order) and requests[order[nxt]].arrival <= now:
+        r = requests[order[nxt]]
+        ids[engine.add_request(r.prompt, r.params, arrival_time=start + r.arrival)] = order[nxt]
+        nxt += 1
+      if engine.has_unfinished():
+        for out in engine.step():
+          if out.finished:
+            final[ids[out.request_id]] = out
+            bar.update(1)
+      elif nxt < len(order):
+        time.sleep(max(0.0, requests[order[nxt]].arrival - (time.perf_counter() - start)))
+  return [final[i] for i in range(len(requests))], time.perf_counter() - start
+
+
+def _percentiles(values) -> dict[str, float | None]:
+  values = [v for v in values if v is not None]
+  if not values:
+    return {"p50": None, "p90": None, "p99": None}
+  p = np.percentile(values, [50, 90, 99])
+  return {"p50": float(p[0]), "p90": float(p[1]), "p99": float(p[2])}
+
+
+def summarize(engine: Engine, requests: list[_Request], outs, seconds: float) -> dict:
+  """Throughput, latency percentiles, normalized latency, KV usage, cache hits, preemptions."""
+  input_tokens = sum(len(r.prompt) for r in requests)
+  output_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+  per_seq_latency = [(o.finish_time - o.arrival_time) / max(1, len(c.token_ids))
+                     for o in outs for c in o.outputs]
+  m = engine.metrics()
+  return {
+      "num_requests": len(requests), "seconds": seconds,
+      "input_tokens": input_tokens, "output_tokens": output_tokens,
+      "input_tokens_per_s": input_tokens / seconds, "output_tokens_per_s": output_tokens / seconds,
+      "ttft_s": _percentiles(o.ttft for o in outs), "tpot_s": _percentiles(o.tpot for o in outs),
+      "normalized_latency_s_per_token": float(np.mean(per_seq_latency)),
+      "peak_kv_usage": m["max_pages_in_use"] / (engine.num_pages - 1),
+      "prefix_hit_rate": m["prefix_hit_rate"], "preemptions": m["preemptions"],
+      "swapped_out_pages": m["swapped_out_pages"], "recomputed_tokens": m["recomputed_tokens"],
+      "capacity_tokens": engine.capacity_tokens, "num_pages": engine.num_pages,
+      "steps": m["steps"], "prefill_s": m["prefill_s"], "decode_s": m["decode_s"],
+      "host_s": m["host_s"],
+  }
+
+
+def run(cfg: ServeConfig, model=None) -> dict:
+  """Serves the configured requests; returns the summary (and each completion's text/tokens).
+
+  Args:
+    model: (params, model config, tokenizer, eos ids) to reuse instead of loading cfg.model_dir.
+  """
+  params, mcfg, tokenizer, eos = model or load_model(cfg)
+  requests = make_requests(cfg, mcfg, tokenizer)
+  if cfg.warmup:   # the same run on a throwaway engine compiles the shapes it will meet
+    serve(make_engine(cfg, params, mcfg, tokenizer, eos), requests)
+  engine = make_engine(cfg, params, mcfg, tokenizer, eos)
+  outs, seconds = serve(engine, requests, progress=cfg.progress)
+  engine.bm.check_invariants()
+  summary = summarize(engine, requests, outs, seconds)
+  summary["compile_included"] = not cfg.warmup
+  summary["completions"] = [{"request": i, "token_ids": c.token_ids, "text": c.text,
+                             "finish_reason": c.finish_reason}
+                            for i, o in enumerate(outs) for c in o.outputs]
+  summary["config"] = dataclasses.asdict(cfg)
+  summary["jax"] = jax.__version__
+  summary["device"] = jax.devices()[0].device_kind
+  return summary
+
+
+def report(r: dict) -> str:
+  ms = lambda v: "-" if v is None else f"{1e3 * v:.1f}"
+  lines = [
+      f"served {r['num_requests']} requests in {r['seconds']:.2f} s"
+      f"{' (includes XLA compilation; --warmup runs them once first)' if r['compile_included'] else ''}",
+      f"  throughput: {r['input_tokens_per_s']:.0f} input tok/s, "
+      f"{r['output_tokens_per_s']:.0f} output tok/s "
+      f"({r['input_tokens']} in, {r['output_tokens']} out)",
+      "  TTFT ms:    p50 {} / p90 {} / p99 {}".format(*(ms(r["ttft_s"][p]) for p in ("p50", "p90", "p99"))),
+      "  TPOT ms:    p50 {} / p90 {} / p99 {}".format(*(ms(r["tpot_s"][p]) for p in ("p50", "p90", "p99"))),
+      f"  normalized latency: {r['normalized_latency_s_per_token'] * 1e3:.1f} ms/token",
+      f"  KV: peak usage {100 * r['peak_kv_usage']:.1f}% of {r['capacity_tokens']} tokens; "
+      f"prefix-cache hit rate {100 * r['prefix_hit_rate']:.1f}%; "
+      f"{r['preemptions']} preemptions",
+  ]
+  if len(r["completions"]) <= 8:
+    for c in r["completions"]:
+      shown = c["text"] if c["text"] is not None else c["token_ids"]
+      lines.append(f"  [{c['request']}] {shown!r} ({c['finish_reason']})")
+  return "\n".join(lines)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError("Too many command-line arguments.")
+  f = flags.FLAGS
+  cfg = ServeConfig(
+      model_dir=f.model, prompts=tuple(f.prompt or ()), prompts_file=f.prompts_file,
+      workload=f.workload, num_requests=f.num_requests, request_rate=f.request_rate,
+      max_tokens=f.max_tokens, temperature=f.temperature, top_k=f.top_k, top_p=f.top_p, n=f.n,
+      beam_width=f.beam_width, ignore_eos=f.ignore_eos, page_size=f.page_size,
+      num_pages=f.num_pages, kv_cache_bytes=f.kv_cache_bytes,
+      kv_cache_fraction=f.kv_cache_fraction, max_num_seqs=f.max_num_seqs,
+      max_num_batched_tokens=f.max_num_batched_tokens, steps_per_sync=f.steps_per_sync,
+      preemption_mode=f.preemption_mode, enable_prefix_caching=f.enable_prefix_caching,
+      impl=f.impl, dtype=f.dtype, seed=f.seed, warmup=f.warmup, progress=f.progress)
+  r = run(cfg)
+  print(report(r))
+  if f.json:
+    os.makedirs(os.path.dirname(f.json) or ".", exist_ok=True)
+    with open(f.json, "w") as out:
+      json.dump(r, out, indent=1)
+
+
+def define_flags():
+  flags.DEFINE_string("model", None, "HF-format checkpoint directory (default: embedded model).")
+  flags.DEFINE_multi_string("prompt", None, "A text prompt (repeat for more).")
+  flags.DEFINE_string("prompts_file", None, "JSONL of requests (prompt or prompt_token_ids, ...).")
+  flags.DEFINE_enum("workload", "sharegpt", list(workloads.WORKLOADS),
+                    "Synthetic workload when no prompts are given.")
+  flags.DEFINE_integer("num_requests", 64, "Synthetic requests.")
+  flags.DEFINE_float("request_rate", math.inf, "Poisson arrivals per second (inf: all at once).")
+  flags.DEFINE_integer("max_tokens", None, "Tokens per completion (default: the workload's "
+                       "lengths; 64 or what max_position leaves for given prompts).")
+  flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
+  flags.DEFINE_integer("top_k", 0, "0 = off.")
+  flags.DEFINE_float("top_p", 1.0, "1 = off.")
+  flags.DEFINE_integer("n", 1, "Completions per request (parallel sampling, shared pages).")
+  flags.DEFINE_integer("beam_width", 1, "> 1: beam search.")
+  flags.DEFINE_bool("ignore_eos", None, "Do not stop at EOS (default: on for synthetic workloads).")
+  flags.DEFINE_integer("page_size", 16, "Tokens per page.")
+  flags.DEFINE_integer("num_pages", None, "Pages in the pool (default: from the memory budget).")
+  flags.DEFINE_integer("kv_cache_bytes", None, "KV budget in bytes (CPU default 256 MiB).")
+  flags.DEFINE_float("kv_cache_fraction", None, "Share of free device memory (GPU; default 0.9).")
+  flags.DEFINE_integer("max_num_seqs", 64, "Most sequences per step.")
+  flags.DEFINE_integer("max_num_batched_tokens", 2048, "Token budget per step.")
+  flags.DEFINE_integer("steps_per_sync", 4, "Decode steps per host sync.")
+  flags.DEFINE_enum("preemption_mode", "recompute", ["recompute", "swap"], "Preemption.")
+  flags.DEFINE_bool("enable_prefix_caching", True, "Share full pages by chained hash.")
+  flags.DEFINE_enum("impl", "auto", ["auto", "xla", "pallas"], "Attention path.")
+  flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter dtype.")
+  flags.DEFINE_integer("seed", 0, "Workload and request seeds.")
+  flags.DEFINE_bool("warmup", False, "Run the workload once first, so timing excludes compiling.")
+  flags.DEFINE_bool("progress", True, "Show a progress bar.")
+  flags.DEFINE_string("json", None, "Write the summary as JSON here.")
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)

@@ -1,0 +1,93 @@
+"""The serve command's run(config) on the embedded model, and the synthetic workloads."""
+
+import json
+import math
+import os
+import tempfile
+
+from absl.testing import absltest
+import numpy as np
+
+from paged_jax import serve, workloads
+
+MODEL = serve.load_model(serve.ServeConfig())
+
+
+class ServeTest(absltest.TestCase):
+
+  def test_text_prompts_on_the_embedded_copy_model(self):
+    r = serve.run(serve.ServeConfig(prompts=("h e l l o", "k v c a c h e"), page_size=4,
+                                    num_pages=64, progress=False), MODEL)
+    self.assertEqual([c["text"] for c in r["completions"]], ["h e l l o", "k v c a c h e"])
+    self.assertEqual([c["finish_reason"] for c in r["completions"]], ["stop", "stop"])
+    self.assertEqual(r["output_tokens"], 5 + 1 + 7 + 1)   # the letters and EOS
+    self.assertGreater(r["output_tokens_per_s"], 0)
+    self.assertIsNotNone(r["ttft_s"]["p50"])
+
+  def test_jsonl_requests_with_their_own_settings(self):
+    path = os.path.join(tempfile.mkdtemp(), "requests.jsonl")
+    with open(path, "w") as f:
+      f.write(json.dumps({"prompt": "a b c", "n": 2, "temperature": 1.0, "seed": 1}) + "\n\n")
+      f.write(json.dumps({"prompt_token_ids": [1, 5, 6, 2], "max_tokens": 2,
+                          "ignore_eos": True}) + "\n")
+    r = serve.run(serve.ServeConfig(prompts_file=path, page_size=4, num_pages=64,
+                                    progress=False), MODEL)
+    self.assertEqual([c["request"] for c in r["completions"]], [0, 0, 1])
+    self.assertLen(r["completions"][2]["token_ids"], 2)
+    with open(path, "a") as f:
+      f.write(json.dumps({"prompt": "x", "temprature": 1}) + "\n")
+    with self.assertRaisesRegex(ValueError, r"requests.jsonl:4: unknown keys \['temprature'\]"):
+      serve.run(serve.ServeConfig(prompts_file=path, progress=False), MODEL)
+
+  def test_synthetic_workload_with_arrivals_and_preemption(self):
+    # A pool of 40 pages of 4 tokens for 24 requests arriving at 2,000/s: it fills and preempts.
+    r = serve.run(serve.ServeConfig(workload="alpaca", num_requests=24, request_rate=2000.0,
+                                    page_size=4, num_pages=40, max_num_seqs=16,
+                                    max_num_batched_tokens=64, progress=False), MODEL)
+    self.assertEqual(r["num_requests"], 24)
+    lens = [len(c["token_ids"]) for c in r["completions"]]
+    self.assertEqual(r["output_tokens"], sum(lens))
+    self.assertTrue(all(c["finish_reason"] == "length" for c in r["completions"]))   # EOS ignored
+    self.assertGreater(r["preemptions"], 0)
+    self.assertGreater(r["peak_kv_usage"], 0.5)
+    for key in ("ttft_s", "tpot_s"):
+      p = r[key]
+      self.assertLessEqual(p["p50"], p["p90"])
+      self.assertLessEqual(p["p90"], p["p99"])
+
+  def test_bad_requests_are_refused_before_anything_runs(self):
+    with self.assertRaisesRegex(ValueError, "it can never fit"):
+      serve.run(serve.ServeConfig(prompts=("a b c d e f g h",), max_tokens=100, page_size=4,
+                                  num_pages=4, progress=False), MODEL)
+    with self.assertRaisesRegex(ValueError, "give --prompt or --prompts_file, not both"):
+      serve.run(serve.ServeConfig(prompts=("a",), prompts_file="x"), MODEL)
+
+
+class WorkloadsTest(absltest.TestCase):
+
+  def test_means_match_the_fits(self):
+    rng = np.random.default_rng(0)
+    i, o = workloads.sample_lengths(rng, "sharegpt", 200_000)
+    self.assertAlmostEqual(i.mean() / 161.5, 1, delta=0.03)   # WORKLOADS.md's fitted means
+    self.assertAlmostEqual(o.mean() / 335.6, 1, delta=0.03)
+    self.assertEqual(np.median(i), 35)
+    self.assertLessEqual((i + o).max(), 2048)
+    i, o = workloads.sample_lengths(rng, "alpaca", 200_000)
+    self.assertAlmostEqual(i.mean() / 19.3, 1, delta=0.03)
+    self.assertAlmostEqual(o.mean() / 58.4, 1, delta=0.03)
+    self.assertTrue(((i >= 6) & (i <= 508)).all() and (o <= 1470).all())
+
+  def test_short_contexts_redraw_and_arrivals(self):
+    rng = np.random.default_rng(1)
+    i, o = workloads.sample_lengths(rng, "sharegpt", 500, max_total=128)
+    self.assertLessEqual((i + o).max(), 128)
+    gaps = np.diff(workloads.poisson_arrivals(rng, 20_000, 50.0))
+    self.assertAlmostEqual(gaps.mean(), 1 / 50, delta=0.001)
+    self.assertAlmostEqual(gaps.std() / gaps.mean(), 1, delta=0.05)   # exponential: CV 1
+    self.assertTrue((workloads.poisson_arrivals(rng, 5, math.inf) == 0).all())
+    with self.assertRaisesRegex(ValueError, "workload='x'"):
+      workloads.sample_lengths(rng, "x", 3)
+
+
+if __name__ == "__main__":
+  absltest.main()
