@@ -39,7 +39,7 @@ from paged_jax.state import NULL_PAGE
 __all__ = ["Summary", "block_summary", "merge_summaries", "finalize", "merge_states",
            "dense_attention", "paged_attention_reference", "paged_attention", "paged_attention_xla",
            "kernel_unavailable_reason", "IMPLS", "causal_ragged_attention", "prefill_attention",
-           "step_attention", "DEFAULT_TILE_TOKENS",
+           "step_attention", "DEFAULT_TILE_TOKENS", "DEFAULT_TILES_PER_CHUNK",
            "contiguous_attention", "validate_attention_inputs", "DEFAULT_BLOCK_TOKENS"]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -227,30 +227,34 @@ def paged_attention_xla(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, 
       return_lse=return_lse, kv_lens=kv_lens)
 
 
-# Query tokens per tile of `causal_ragged_attention`; each tile also reads the tiles before it
-# that its rows can reach (ceil((max_q_len - 1) / tile) of them).
+# Tokens per tile of `causal_ragged_attention`, and query tiles per chunk of its loop (a chunk's
+# scores, 4 x 64 x 64 per head, stay in cache). Measured on the serve benchmark's prefill
+# (experiments/serve_bench.py): 64 / 4 beat 32 / 8, 32 / 16 and 128 / 2.
 DEFAULT_TILE_TOKENS = 64
+DEFAULT_TILES_PER_CHUNK = 4
 
 
 def causal_ragged_attention(q, k, v, cu_q_lens, *, max_q_len: int, scale: float | None = None,
                             sliding_window: int | None = None, soft_cap: float | None = None,
-                            tile_tokens: int = DEFAULT_TILE_TOKENS):
+                            tile_tokens: int = DEFAULT_TILE_TOKENS,
+                            tiles_per_chunk: int = DEFAULT_TILES_PER_CHUNK):
   """Causal attention of ragged rows over their own keys only (a prompt with no cached prefix).
 
-  Row b's tokens cu_q_lens[b]:cu_q_lens[b+1] are both its queries and its keys. The token axis
-  is cut into tiles of `tile_tokens` queries; a tile attends to itself and to the tiles before
-  it that hold keys of its rows (at most ceil((max_q_len - 1) / tile) of them, fewer when the
-  batch's longest row is shorter), with masks keeping each query inside its own row, causal and
-  within the window. Work is ~ num_tokens x (max row length + tile), not num_rows x max_q_len^2,
-  and no K/V is read back from the pool. Blocks merge by the (m, z, u) rule.
+  Row b's tokens cu_q_lens[b]:cu_q_lens[b+1] are both its queries and its keys. Block-sparse:
+  each row is laid out from a tile boundary (`tile_tokens` per tile), so a query tile belongs
+  to one row and needs exactly the key tiles of that row up to itself (j <= i within the row:
+  row length n costs ceil(n / tile) * (ceil(n / tile) + 1) / 2 tile pairs, not a fixed
+  lookback for every tile). Query tiles are sorted by how far back they look and processed in
+  chunks of `tiles_per_chunk`; a chunk's loop runs only as far back as its own tiles need.
+  Tile pairs merge by the (m, z, u) rule. No K/V is read back from the pool.
 
   Args:
     q: dtype[num_tokens, num_q_heads, head_dim], ragged; tokens past cu_q_lens[-1] are padding.
     k: dtype[num_tokens, num_kv_heads, head_dim] this step's keys, same layout; v the same.
     cu_q_lens: i32[num_seqs + 1].
-    max_q_len: static bound on any row's length (fixes how far back a tile may look).
+    max_q_len: static bound on any row's length (bounds how far back a tile may look).
     scale, sliding_window, soft_cap: as in `paged_attention_xla`.
-    tile_tokens: static tile size.
+    tile_tokens, tiles_per_chunk: static tiling.
 
   Returns:
     (o dtype[num_tokens, num_q_heads, head_dim], lse f32[num_tokens, num_q_heads]); padding
@@ -258,53 +262,77 @@ def causal_ragged_attention(q, k, v, cu_q_lens, *, max_q_len: int, scale: float 
   """
   num_tokens, num_q_heads, head_dim = q.shape
   num_kv_heads = k.shape[1]
+  num_seqs = cu_q_lens.shape[0] - 1
   group = num_q_heads // num_kv_heads
   scale = head_dim ** -0.5 if scale is None else scale
-  tile = max(1, min(tile_tokens, num_tokens))
-  num_tiles = -(-num_tokens // tile)
-  lookback = -(-(max(max_q_len, 1) - 1) // tile)
-  if sliding_window is not None:
-    lookback = min(lookback, -(-(sliding_window - 1) // tile))
-  pad = num_tiles * tile - num_tokens
-  tok = jnp.arange(num_tiles * tile, dtype=jnp.int32)
-  num_valid = cu_q_lens[-1]
-  row = jnp.clip(jnp.searchsorted(cu_q_lens[1:], tok, side="right"), 0, cu_q_lens.shape[0] - 2)
-  q_start = cu_q_lens[row].reshape(num_tiles, tile)
-  q_tok = tok.reshape(num_tiles, tile)
-  q_valid = q_tok < num_valid
-  qf = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).astype(jnp.float32) * scale
-  qf = qf.reshape(num_tiles, tile, num_kv_heads, group, head_dim).transpose(0, 2, 3, 1, 4)
+  tile = max(1, min(tile_tokens, max(max_q_len, 1)))
+  chunk = max(1, tiles_per_chunk)
+  # Aligned layout: row b owns tiles first[b] .. first[b] + row_tiles[b] - 1.
+  lens = cu_q_lens[1:] - cu_q_lens[:-1]
+  row_tiles = (lens + tile - 1) // tile
+  ends = jnp.cumsum(row_tiles)
+  first = ends - row_tiles
+  bound = -(-num_tokens // tile) + num_seqs          # static: every row adds <= 1 partial tile
+  num_chunks = -(-bound // chunk)
+  num_slots = num_chunks * chunk
+  a = jnp.arange(num_slots, dtype=jnp.int32)
+  row = jnp.clip(jnp.searchsorted(ends, a, side="right"), 0, num_seqs - 1)
+  in_row = a - first[row]                            # tile index within its row
+  live = a < ends[-1]
+  lookback = jnp.where(live, in_row, -1)
+  # Queries sorted by lookback, longest first: a chunk's first tile bounds its loop.
+  order = jnp.argsort(-lookback, stable=True)
+  pos = in_row[:, None] * tile + jnp.arange(tile, dtype=jnp.int32)[None, :]   # [slots, tile]
+  valid = live[:, None] & (pos < lens[row][:, None])
+  token = jnp.where(valid, cu_q_lens[row][:, None] + pos, num_tokens)         # num_tokens = none
 
-  def tiles(x):   # [num_tokens, K, D] -> [lookback + num_tiles, K, tile, D], `lookback` zero tiles first
-    x = jnp.pad(x, ((lookback * tile, pad), (0, 0), (0, 0)))
-    return x.reshape(lookback + num_tiles, tile, num_kv_heads, head_dim).transpose(0, 2, 1, 3)
+  def gather(x):   # [num_tokens, heads, D] -> [slots, heads, tile, D], zeros where not valid
+    x = jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)])[token]
+    return x.transpose(0, 2, 1, 3)
 
-  k_tiles, v_tiles = tiles(k), tiles(v)
-  q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
-  num_back = jnp.minimum((jnp.max(q_lens, initial=1) - 2 + tile) // tile, lookback)
+  k_t = gather(k).astype(jnp.float32)
+  v_t = gather(v).astype(jnp.float32)
+  q_t = gather(q.astype(jnp.float32) * scale)[order]                          # sorted
+  q_t = q_t.reshape(num_slots, num_kv_heads, group, tile, head_dim)
+  q_pos, q_valid = pos[order], valid[order]
+  sorted_tile, sorted_lookback = order, lookback[order]
 
-  def body(o, acc: Summary) -> Summary:
-    kb = jax.lax.dynamic_slice_in_dim(k_tiles, lookback - o, num_tiles, axis=0)
-    vb = jax.lax.dynamic_slice_in_dim(v_tiles, lookback - o, num_tiles, axis=0)
-    k_tok = (jnp.arange(num_tiles, dtype=jnp.int32)[:, None] - o) * tile + jnp.arange(tile)[None]
-    mask = (q_valid[:, :, None] & (k_tok[:, None, :] >= q_start[:, :, None])
-            & (k_tok[:, None, :] <= q_tok[:, :, None]))
-    if sliding_window is not None:
-      mask &= q_tok[:, :, None] - k_tok[:, None, :] < sliding_window
-    s = jnp.einsum("nkgqd,nktd->nkgqt", qf, kb.astype(jnp.float32), precision=_HIGHEST)
-    if soft_cap is not None:
-      s = soft_cap * jnp.tanh(s / soft_cap)
-    s = jnp.where(mask[:, None, None], s, -jnp.inf)
-    # A key this row may see is one of this step's real tokens (finite); padding keys are masked
-    # and zero-padded, so V needs no NaN guard here.
-    return merge_summaries(acc, block_summary(s, vb.astype(jnp.float32), "nkgqt,nktd->nkgqd"))
+  def chunk_body(_, c):
+    s0 = c * chunk
+    qc = jax.lax.dynamic_slice_in_dim(q_t, s0, chunk)
+    qp = jax.lax.dynamic_slice_in_dim(q_pos, s0, chunk)
+    qv = jax.lax.dynamic_slice_in_dim(q_valid, s0, chunk)
+    tiles_c = jax.lax.dynamic_slice_in_dim(sorted_tile, s0, chunk)
+    back_c = jax.lax.dynamic_slice_in_dim(sorted_lookback, s0, chunk)
 
-  lead = (num_tiles, num_kv_heads, group, tile)
-  init = Summary(jnp.full(lead, -jnp.inf, jnp.float32), jnp.zeros(lead, jnp.float32),
-                 jnp.zeros(lead + (head_dim,), jnp.float32))
-  o, lse = finalize(jax.lax.fori_loop(0, num_back + 1, body, init))
-  o = o.transpose(0, 3, 1, 2, 4).reshape(num_tiles * tile, num_q_heads, head_dim)[:num_tokens]
-  lse = lse.transpose(0, 3, 1, 2).reshape(num_tiles * tile, num_q_heads)[:num_tokens]
+    def offset_body(o, acc: Summary) -> Summary:
+      kt = jnp.clip(tiles_c - o, 0, num_slots - 1)   # the same row, o tiles earlier
+      kp = qp[:, :1] - o * tile + jnp.arange(tile, dtype=jnp.int32)[None, :]   # key positions
+      mask = (qv[:, :, None] & (o <= back_c)[:, None, None]
+              & (kp[:, None, :] <= qp[:, :, None]))
+      if sliding_window is not None:
+        mask &= qp[:, :, None] - kp[:, None, :] < sliding_window
+      s = jnp.einsum("ckgqd,cktd->ckgqt", qc, k_t[kt], precision=_HIGHEST)
+      if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+      s = jnp.where(mask[:, None, None], s, -jnp.inf)
+      return merge_summaries(acc, block_summary(s, v_t[kt], "ckgqt,cktd->ckgqd"))
+
+    lead = (chunk, num_kv_heads, group, tile)
+    init = Summary(jnp.full(lead, -jnp.inf, jnp.float32), jnp.zeros(lead, jnp.float32),
+                   jnp.zeros(lead + (head_dim,), jnp.float32))
+    return None, finalize(jax.lax.fori_loop(0, back_c[0] + 1, offset_body, init))
+
+  _, (o_t, lse_t) = jax.lax.scan(chunk_body, None, jnp.arange(num_chunks, dtype=jnp.int32))
+  o_t = o_t.reshape((num_slots,) + o_t.shape[2:])
+  lse_t = lse_t.reshape((num_slots,) + lse_t.shape[2:])
+  # Back to the ragged token layout; slots of no token scatter out of bounds and are dropped.
+  dest = token[order].reshape(-1)
+  o_t = o_t.transpose(0, 3, 1, 2, 4).reshape(num_slots * tile, num_q_heads, head_dim)
+  lse_t = lse_t.transpose(0, 3, 1, 2).reshape(num_slots * tile, num_q_heads)
+  o = jnp.zeros((num_tokens, num_q_heads, head_dim), jnp.float32).at[dest].set(o_t, mode="drop")
+  lse = jnp.full((num_tokens, num_q_heads), -jnp.inf, jnp.float32).at[dest].set(lse_t,
+                                                                                 mode="drop")
   return o.astype(q.dtype), lse
 
 
@@ -337,16 +365,13 @@ def prefill_attention(q, k, v, k_pages, v_pages, block_tables, seq_lens, cu_q_le
   prefix_lens = seq_lens - (cu_q_lens[1:] - cu_q_lens[:-1])
 
   def with_prefix(_):
-    return paged_attention_xla(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens,
-                               max_q_len=max_q_len, pages_per_block=pages_per_block,
-                               return_lse=True, kv_lens=prefix_lens, **kw)
+    o_pre, lse_pre = paged_attention_xla(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens,
+                                         max_q_len=max_q_len, pages_per_block=pages_per_block,
+                                         return_lse=True, kv_lens=prefix_lens, **kw)
+    return merge_states(o_new, lse_new, o_pre, lse_pre)[0]
 
-  def without_prefix(_):
-    return jnp.zeros_like(q), jnp.full(q.shape[:2], -jnp.inf, jnp.float32)
-
-  o_pre, lse_pre = jax.lax.cond(jnp.max(prefix_lens, initial=0) > 0, with_prefix, without_prefix,
-                                None)
-  return merge_states(o_new, lse_new, o_pre, lse_pre)[0]
+  # A step of fresh prompts (the common case) pays nothing for the prefix path.
+  return jax.lax.cond(jnp.max(prefix_lens, initial=0) > 0, with_prefix, lambda _: o_new, None)
 
 
 def step_attention(q, k, v, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,

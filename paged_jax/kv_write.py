@@ -29,11 +29,11 @@ def write_kv(pool: KVPool, layer: int, k: jax.Array, v: jax.Array, slots: jax.Ar
   chex.assert_shape(k, (slots.shape[0], pool.num_kv_heads, pool.head_dim))
   if not 0 <= layer < pool.num_layers:
     raise ValueError(f"layer={layer} is outside [0, num_layers={pool.num_layers})")
-  return pool.replace(k=write_kv_layer(pool.k, layer, k, slots),
-                      v=write_kv_layer(pool.v, layer, v, slots))
+  return pool.with_layer(layer, write_kv_layer(pool.k[layer], k, slots),
+                         write_kv_layer(pool.v[layer], v, slots))
 
 
-def write_kv_layer(pages: jax.Array, layer: int, x: jax.Array, slots: jax.Array) -> jax.Array:
-  """`pages[layer]` with x[t] stored at slots[t]; pages: [num_layers, num_pages, page_size, K, D]."""
-  page_size = pages.shape[2]
-  return pages.at[layer, slots // page_size, slots % page_size].set(x.astype(pages.dtype))
+def write_kv_layer(pages: jax.Array, x: jax.Array, slots: jax.Array) -> jax.Array:
+  """One layer's `pages` [num_pages, page_size, K, D] with x[t] stored at slot slots[t]."""
+  page_size = pages.shape[1]
+  return pages.at[slots // page_size, slots % page_size].set(x.astype(pages.dtype))

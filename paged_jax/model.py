@@ -30,18 +30,36 @@ class PagedKV:
   md: AttentionMetadata
   impl: str = flax.struct.field(pytree_node=False, default="auto")
 
-  def attend(self, layer: int, q, k, v, *, sliding_window):
-    """Writes K/V of this step's tokens by slot, then paged attention; q: [T, H, D].
+  def attend(self, layer: int, q, k, v, *, sliding_window, select=None):
+    """Writes K/V of this step's tokens by slot, then paged attention.
 
-    Decode rows and prefill chunks run as `attention.step_attention` splits them (one kernel
-    launch on a GPU; decode rows and prefill rows apart on the XLA path)."""
+    Args:
+      q: [T, H, D] queries of every token, or with `select` [S, H, D] of the tokens it names.
+      k, v: [T, K, D] of every token (all are written).
+      select: i32[S] token indices whose queries alone are wanted (the last layer, when only
+        some tokens' logits are). Each attends as a decode row (one query at its position).
+
+    Without `select`, decode rows and prefill chunks run as `attention.step_attention` splits
+    them (one kernel launch on a GPU; decode rows and prefill rows apart on the XLA path).
+    """
     md = self.md
-    pool = self.pool.replace(k=write_kv_layer(self.pool.k, layer, k, md.slots),
-                             v=write_kv_layer(self.pool.v, layer, v, md.slots))
-    o = attention.step_attention(q, k, v, pool.k[layer], pool.v[layer], md.block_tables,
-                                 md.seq_lens, md.cu_q_lens, num_decode=md.num_decode,
-                                 max_q_len=md.max_q_len, sliding_window=sliding_window,
-                                 impl=self.impl)
+    pool = self.pool.with_layer(layer, write_kv_layer(self.pool.k[layer], k, md.slots),
+                                write_kv_layer(self.pool.v[layer], v, md.slots))
+    if select is None:
+      o = attention.step_attention(q, k, v, pool.k[layer], pool.v[layer], md.block_tables,
+                                   md.seq_lens, md.cu_q_lens, num_decode=md.num_decode,
+                                   max_q_len=md.max_q_len, sliding_window=sliding_window,
+                                   impl=self.impl)
+    else:
+      num_rows = md.seq_lens.shape[0]
+      row = jnp.clip(jnp.searchsorted(md.cu_q_lens[1:], select, side="right"), 0, num_rows - 1)
+      q_lens = md.cu_q_lens[1:] - md.cu_q_lens[:-1]
+      position = md.seq_lens[row] - q_lens[row] + select - md.cu_q_lens[row]
+      o = attention.paged_attention(
+          q, pool.k[layer], pool.v[layer], md.block_tables[row],
+          jnp.maximum(position + 1, 1).astype(jnp.int32),
+          jnp.arange(select.shape[0] + 1, dtype=jnp.int32), max_q_len=1,
+          sliding_window=sliding_window, impl=self.impl)
     return o, self.replace(pool=pool)
 
 
@@ -59,11 +77,18 @@ class DenseKV:
   cu_q_lens: jax.Array
   max_q_len: int = flax.struct.field(pytree_node=False, default=1)
 
-  def attend(self, layer: int, q, k, v, *, sliding_window):
+  def attend(self, layer: int, q, k, v, *, sliding_window, select=None):
     kc = self.k.at[layer, self.seq_ids, self.positions].set(k.astype(self.k.dtype))
     vc = self.v.at[layer, self.seq_ids, self.positions].set(v.astype(self.v.dtype))
-    o = attention.dense_attention(q, kc[layer], vc[layer], self.cu_q_lens, self.seq_lens,
-                                  sliding_window=sliding_window, max_q_len=self.max_q_len)
+    if select is None:
+      o = attention.dense_attention(q, kc[layer], vc[layer], self.cu_q_lens, self.seq_lens,
+                                    sliding_window=sliding_window, max_q_len=self.max_q_len)
+    else:   # each selected query alone, over its sequence's keys up to its position
+      rows = self.seq_ids[select]
+      o = attention.dense_attention(q, kc[layer][rows], vc[layer][rows],
+                                    jnp.arange(select.shape[0] + 1, dtype=jnp.int32),
+                                    self.positions[select] + 1, sliding_window=sliding_window,
+                                    max_q_len=1)
     return o, self.replace(k=kc, v=vc)
 
 
@@ -100,17 +125,19 @@ class Attention(nn.Module):
   layer: int
 
   @nn.compact
-  def __call__(self, x, positions, kv):
+  def __call__(self, x, positions, kv, select=None):
+    """select: i32[S] tokens whose outputs alone are wanted (K/V are still written for all)."""
     cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
     num_tokens = x.shape[0]
-    q = _dense(cfg.num_q_heads * cfg.head_dim, "q_proj", dt, cfg.attention_bias)(x)
+    xq, q_pos = (x, positions) if select is None else (x[select], positions[select])
+    q = _dense(cfg.num_q_heads * cfg.head_dim, "q_proj", dt, cfg.attention_bias)(xq)
     k = _dense(cfg.num_kv_heads * cfg.head_dim, "k_proj", dt, cfg.attention_bias)(x)
     v = _dense(cfg.num_kv_heads * cfg.head_dim, "v_proj", dt, cfg.attention_bias)(x)
-    q = rope(q.reshape(num_tokens, cfg.num_q_heads, cfg.head_dim), positions, cfg.rope_theta)
+    q = rope(q.reshape(q.shape[0], cfg.num_q_heads, cfg.head_dim), q_pos, cfg.rope_theta)
     k = rope(k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim), positions, cfg.rope_theta)
     v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-    o, kv = kv.attend(self.layer, q, k, v, sliding_window=cfg.sliding_window)
-    o = _dense(cfg.hidden_size, "o_proj", dt)(o.reshape(num_tokens, -1).astype(dt))
+    o, kv = kv.attend(self.layer, q, k, v, sliding_window=cfg.sliding_window, select=select)
+    o = _dense(cfg.hidden_size, "o_proj", dt)(o.reshape(q.shape[0], -1).astype(dt))
     return o, kv
 
 
@@ -122,7 +149,8 @@ class MLP(nn.Module):
     dt = jnp.dtype(self.cfg.dtype)
     gate = _dense(self.cfg.intermediate_size, "gate_proj", dt)(x)
     up = _dense(self.cfg.intermediate_size, "up_proj", dt)(x)
-    return _dense(self.cfg.hidden_size, "down_proj", dt)(nn.silu(gate) * up)
+    # silu written out: nn.silu's lowering materialized a broadcast constant of the full shape.
+    return _dense(self.cfg.hidden_size, "down_proj", dt)(gate / (1 + jnp.exp(-gate)) * up)
 
 
 class Decoder(nn.Module):
@@ -138,20 +166,22 @@ class Decoder(nn.Module):
 
     Returns:
       (f32[num_out, vocab_size] logits, kv).
+
+    With logits_indices, the last layer runs queries, attention, o_proj and MLP for those
+    tokens only (every token's K/V is still written): nothing after it reads the others.
     """
     cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
     embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dt, param_dtype=dt,
                      name="embed_tokens", embedding_init=nn.initializers.normal(0.02))
     x = embed(tokens)
     for i in range(cfg.num_layers):
+      select = logits_indices if i == cfg.num_layers - 1 else None
       h = RMSNorm(cfg.rms_norm_eps, dt, name=f"layers_{i}_input_layernorm")(x)
-      h, kv = Attention(cfg, i, name=f"layers_{i}_self_attn")(h, positions, kv)
-      x = x + h
+      h, kv = Attention(cfg, i, name=f"layers_{i}_self_attn")(h, positions, kv, select)
+      x = (x if select is None else x[select]) + h
       h = RMSNorm(cfg.rms_norm_eps, dt, name=f"layers_{i}_post_attention_layernorm")(x)
       x = x + MLP(cfg, name=f"layers_{i}_mlp")(h)
     x = RMSNorm(cfg.rms_norm_eps, dt, name="norm")(x)
-    if logits_indices is not None:
-      x = x[logits_indices]
     if cfg.tie_embeddings:
       logits = embed.attend(x)
     else:

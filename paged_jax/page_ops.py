@@ -29,8 +29,8 @@ def copy_pages(pool: KVPool, src: jax.Array, dst: jax.Array) -> KVPool:
   """
   if src.shape != dst.shape or src.ndim != 1:
     raise ValueError(f"src {src.shape} and dst {dst.shape} must be equal 1-D shapes")
-  return pool.replace(k=pool.k.at[:, dst].set(pool.k[:, src]),
-                      v=pool.v.at[:, dst].set(pool.v[:, src]))
+  return pool.replace(k=tuple(x.at[dst].set(x[src]) for x in pool.k),
+                      v=tuple(x.at[dst].set(x[src]) for x in pool.v))
 
 
 def check_copy_batch(src, dst) -> None:
@@ -54,8 +54,13 @@ def check_copy_batch(src, dst) -> None:
 
 def read_pages(pool: KVPool, pages) -> tuple[np.ndarray, np.ndarray]:
   """Swap-out: host copies (NumPy) of K and V of `pages`, [num_layers, len(pages), page_size, K, D]."""
-  idx = jnp.asarray(np.asarray(pages, np.int32))
-  return np.asarray(pool.k[:, idx]), np.asarray(pool.v[:, idx])
+  k, v = _read(pool, jnp.asarray(np.asarray(pages, np.int32)))
+  return np.asarray(k), np.asarray(v)
+
+
+@jax.jit
+def _read(pool: KVPool, idx: jax.Array):
+  return jnp.stack([x[idx] for x in pool.k]), jnp.stack([x[idx] for x in pool.v])
 
 
 @functools.partial(jax.jit, donate_argnames=("pool",))
@@ -67,8 +72,9 @@ def write_pages(pool: KVPool, pages: jax.Array, k: jax.Array, v: jax.Array) -> K
     pages: i32[n] destination pages.
     k, v: [num_layers, n, page_size, num_kv_heads, head_dim].
   """
-  if k.shape != (pool.num_layers, pages.shape[0]) + pool.k.shape[2:]:
-    raise ValueError(f"k shape {k.shape} does not match {pages.shape[0]} pages of the pool "
-                     f"{pool.k.shape}")
-  return pool.replace(k=pool.k.at[:, pages].set(k.astype(pool.dtype)),
-                      v=pool.v.at[:, pages].set(v.astype(pool.dtype)))
+  want = (pool.num_layers, pages.shape[0], pool.page_size, pool.num_kv_heads, pool.head_dim)
+  if k.shape != want:
+    raise ValueError(f"k shape {k.shape} does not match {pages.shape[0]} pages of a pool with "
+                     f"{pool.num_layers} layers of {pool.k[0].shape}: expected {want}")
+  return pool.replace(k=tuple(x.at[pages].set(k[i].astype(pool.dtype)) for i, x in enumerate(pool.k)),
+                      v=tuple(x.at[pages].set(v[i].astype(pool.dtype)) for i, x in enumerate(pool.v)))

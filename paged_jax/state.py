@@ -1,9 +1,15 @@
 """Device-side state: the paged KV pool and one step's attention metadata.
 
-Both are frozen `flax.struct` pytrees; transitions return new values (`pool.replace(k=...)`).
+Both are frozen `flax.struct` pytrees; transitions return new values (`pool.with_layer(...)`).
 This module fixes the pool layout once for the whole project:
 
-  k, v: dtype[num_layers, num_pages, page_size, num_kv_heads, head_dim]
+  k, v: num_layers arrays dtype[num_pages, page_size, num_kv_heads, head_dim] (a tuple)
+
+One array per layer, not one [num_layers, ...] array: a step writes a layer's K/V in place and
+then reads that layer's pages; out of a single array, that read is a slice of an array just
+updated, which XLA materialises as a copy of the whole layer, every layer of every step (decode
+cost would grow with the pool's size, not with what it reads). `stacked()` gives the
+[num_layers, ...] view when one is wanted (tests, inspection).
 
 Page `NULL_PAGE` (0) is never allocated. Padding rows of a block table, and write slots of padding
 tokens, point into it; its contents are garbage on purpose, and every reader masks by `seq_lens`.
@@ -23,11 +29,11 @@ class KVPool:
   """Paged K/V for every layer.
 
   Attributes:
-    k: dtype[num_layers, num_pages, page_size, num_kv_heads, head_dim].
-    v: same shape and dtype as `k`.
+    k: tuple of num_layers arrays dtype[num_pages, page_size, num_kv_heads, head_dim].
+    v: same shapes and dtype as `k`.
   """
-  k: jax.Array
-  v: jax.Array
+  k: tuple[jax.Array, ...]
+  v: tuple[jax.Array, ...]
 
   @classmethod
   def create(cls, *, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
@@ -40,33 +46,52 @@ class KVPool:
         raise ValueError(f"{name}={value} must be >= 1")
     if num_pages < 2:
       raise ValueError(f"num_pages={num_pages} must be >= 2 (page 0 is NULL_PAGE)")
-    shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
-    return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+               v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)))
 
-  # Derived from the shape, never stored twice.
+  @classmethod
+  def from_stacked(cls, k, v) -> "KVPool":
+    """From [num_layers, num_pages, page_size, num_kv_heads, head_dim] arrays."""
+    return cls(k=tuple(jnp.asarray(x) for x in k), v=tuple(jnp.asarray(x) for x in v))
+
+  def stacked(self) -> tuple[jax.Array, jax.Array]:
+    """(k, v) as [num_layers, num_pages, page_size, num_kv_heads, head_dim] copies."""
+    return jnp.stack(self.k), jnp.stack(self.v)
+
+  def with_layer(self, layer: int, k: jax.Array, v: jax.Array) -> "KVPool":
+    """The pool with layer `layer`'s pages replaced."""
+    return self.replace(k=self.k[:layer] + (k,) + self.k[layer + 1:],
+                        v=self.v[:layer] + (v,) + self.v[layer + 1:])
+
+  # Derived from the shapes, never stored twice.
   @property
   def num_layers(self) -> int:
-    return self.k.shape[0]
+    return len(self.k)
 
   @property
   def num_pages(self) -> int:
-    return self.k.shape[1]
+    return self.k[0].shape[0]
 
   @property
   def page_size(self) -> int:
-    return self.k.shape[2]
+    return self.k[0].shape[1]
 
   @property
   def num_kv_heads(self) -> int:
-    return self.k.shape[3]
+    return self.k[0].shape[2]
 
   @property
   def head_dim(self) -> int:
-    return self.k.shape[4]
+    return self.k[0].shape[3]
 
   @property
   def dtype(self):
-    return self.k.dtype
+    return self.k[0].dtype
+
+  @property
+  def nbytes(self) -> int:
+    return sum(x.nbytes for x in self.k + self.v)
 
   @property
   def bytes_per_token(self) -> int:

@@ -225,7 +225,7 @@ class EngineTest(absltest.TestCase):
     e = Engine(PARAMS, CFG, cache=cache, impl="xla")
     self.assertEqual(e.num_pages, (1 << 20) // per_page)
     self.assertEqual(e.capacity_tokens, (e.num_pages - 1) * 4)
-    self.assertEqual(e.pool.k.nbytes + e.pool.v.nbytes, e.num_pages * per_page)
+    self.assertEqual(e.pool.nbytes, e.num_pages * per_page)
     with self.assertRaisesRegex(ValueError, "memory_fraction=0.5 needs a device that reports"):
       Engine(PARAMS, CFG, cache=CacheConfig(memory_fraction=0.5))
     with self.assertRaisesRegex(ValueError, "set one of num_pages"):

@@ -44,8 +44,7 @@ class KVPoolTest(absltest.TestCase):
     expected[1, 3, 0] = k[0]
     expected[1, 1, 0] = k[1]
     expected[1, 1, 1] = k[2]
-    chex.assert_trees_all_equal(pool.k, jnp.asarray(expected))
-    chex.assert_trees_all_equal(pool.v, -jnp.asarray(expected))
+    chex.assert_trees_all_equal(pool.stacked(), (jnp.asarray(expected), -jnp.asarray(expected)))
 
   def test_write_kv_rejects_bad_layer_and_shapes(self):
     pool = KVPool.create(num_layers=1, num_pages=4, page_size=4, num_kv_heads=1, head_dim=2)

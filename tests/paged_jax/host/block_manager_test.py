@@ -221,10 +221,10 @@ class PreemptionTest(absltest.TestCase):
 
   def test_swap_out_and_in_restores_pages_bit_for_bit(self):
     bm = BlockManager(num_pages=10, page_size=4)
-    pool = KVPool.create(num_layers=2, num_pages=10, page_size=4, num_kv_heads=2, head_dim=3)
     rng = np.random.default_rng(0)
-    pool = pool.replace(k=jnp.asarray(rng.standard_normal(pool.k.shape), jnp.float32),
-                        v=jnp.asarray(rng.standard_normal(pool.v.shape), jnp.float32))
+    shape = (2, 10, 4, 2, 3)
+    pool = KVPool.from_stacked(rng.standard_normal(shape).astype(np.float32),
+                               rng.standard_normal(shape).astype(np.float32))
     _computed(bm, "a", range(10))
     before_k, before_v = page_ops.read_pages(pool, bm.block_table("a"))
     out = bm.swap_out("a")
@@ -291,15 +291,15 @@ class PreemptionTest(absltest.TestCase):
     bm.check_invariants()
 
   def test_copy_pages_applies_cow_pairs_in_every_layer(self):
-    pool = KVPool.create(num_layers=3, num_pages=6, page_size=2, num_kv_heads=1, head_dim=2)
-    pool = pool.replace(k=jnp.arange(pool.k.size, dtype=jnp.float32).reshape(pool.k.shape),
-                        v=-jnp.arange(pool.v.size, dtype=jnp.float32).reshape(pool.v.shape))
-    k0, v0 = np.asarray(pool.k), np.asarray(pool.v)
+    shape = (3, 6, 2, 1, 2)   # layers, pages, page_size, kv heads, head_dim
+    pool = KVPool.from_stacked(np.arange(np.prod(shape), dtype=np.float32).reshape(shape),
+                               -np.arange(np.prod(shape), dtype=np.float32).reshape(shape))
+    k0, v0 = map(np.asarray, pool.stacked())
     pool = page_ops.copy_pages(pool, jnp.array([1, 2, 0], jnp.int32), jnp.array([4, 5, 0], jnp.int32))
     expected_k, expected_v = k0.copy(), v0.copy()
     expected_k[:, [4, 5]] = k0[:, [1, 2]]
     expected_v[:, [4, 5]] = v0[:, [1, 2]]
-    chex.assert_trees_all_equal((pool.k, pool.v), (jnp.asarray(expected_k), jnp.asarray(expected_v)))
+    chex.assert_trees_all_equal(pool.stacked(), (jnp.asarray(expected_k), jnp.asarray(expected_v)))
 
 
 class BadInputTest(absltest.TestCase):
