@@ -41,6 +41,8 @@ import numpy as np
 ENGINES = ("paged_jax", "hf_generate", "hf_cb")
 
 PRESETS = {
+    "tiny": dict(hidden_size=32, intermediate_size=64, num_layers=2, num_q_heads=4,
+                 num_kv_heads=2, head_dim=8),   # for the test
     "small": dict(hidden_size=256, intermediate_size=688, num_layers=4, num_q_heads=8,
                   num_kv_heads=2, head_dim=32),
     "large": dict(hidden_size=1024, intermediate_size=2752, num_layers=8, num_q_heads=16,

@@ -265,22 +265,20 @@ class Engine:
     num_logprobs = batching.next_pow2(top_n) if top_n else 0
     if plan.num_steps > 1:
       a = batching.build_decode_round(plan, self.bm)
-      state = step.DecodeState(*(jnp.asarray(a[n]) for n in
-                                 ("tokens", "positions", "block_tables", "write_limit")))
-      args = (self.params, self.pool, state, jax.device_put(a["sampling"]))
+      state = step.DecodeState(a["tokens"], a["positions"], a["block_tables"], a["write_limit"])
+      inputs = jax.device_put((state, a["sampling"]))   # one transfer for every array
       kw = dict(cfg=self.cfg, num_steps=plan.num_steps, impl=self.impl,
                 greedy_only=greedy_only, num_logprobs=num_logprobs)
       fn = self.steps.multi_step_decode
     else:
       a = batching.build_step(plan, self.bm)
-      md = AttentionMetadata(jnp.asarray(a["block_tables"]), jnp.asarray(a["seq_lens"]),
-                             jnp.asarray(a["cu_q_lens"]), jnp.asarray(a["slots"]),
+      md = AttentionMetadata(a["block_tables"], a["seq_lens"], a["cu_q_lens"], a["slots"],
                              max_q_len=a["max_q_len"], num_decode=a["num_decode"])
-      batch = step.Batch(jnp.asarray(a["tokens"]), jnp.asarray(a["positions"]), md,
-                         jnp.asarray(a["logits_indices"]))
-      args = (self.params, self.pool, batch, jax.device_put(a["sampling"]))
+      batch = step.Batch(a["tokens"], a["positions"], md, a["logits_indices"])
+      inputs = jax.device_put((batch, a["sampling"]))
       kw = dict(cfg=self.cfg, impl=self.impl, greedy_only=greedy_only, num_logprobs=num_logprobs)
       fn = self.steps.sample_step
+    args = (self.params, self.pool) + inputs
     t = time.perf_counter()
     sampled, self.pool = fn(*args, **kw)
     out = jax.device_get(sampled)   # the one sync of the step

@@ -43,8 +43,15 @@ class PagedKV:
     them (one kernel launch on a GPU; decode rows and prefill rows apart on the XLA path).
     """
     md = self.md
-    pool = self.pool.with_layer(layer, write_kv_layer(self.pool.k[layer], k, md.slots),
-                                write_kv_layer(self.pool.v[layer], v, md.slots))
+    with jax.named_scope("kv_write"):
+      pool = self.pool.with_layer(layer, write_kv_layer(self.pool.k[layer], k, md.slots),
+                                  write_kv_layer(self.pool.v[layer], v, md.slots))
+    with jax.named_scope("attention"):
+      o = self._attention(pool, layer, q, k, v, sliding_window, select)
+    return o, self.replace(pool=pool)
+
+  def _attention(self, pool, layer, q, k, v, sliding_window, select):
+    md = self.md
     if select is None:
       o = attention.step_attention(q, k, v, pool.k[layer], pool.v[layer], md.block_tables,
                                    md.seq_lens, md.cu_q_lens, num_decode=md.num_decode,
@@ -60,7 +67,7 @@ class PagedKV:
           jnp.maximum(position + 1, 1).astype(jnp.int32),
           jnp.arange(select.shape[0] + 1, dtype=jnp.int32), max_q_len=1,
           sliding_window=sliding_window, impl=self.impl)
-    return o, self.replace(pool=pool)
+    return o
 
 
 @flax.struct.dataclass
@@ -133,8 +140,9 @@ class Attention(nn.Module):
     q = _dense(cfg.num_q_heads * cfg.head_dim, "q_proj", dt, cfg.attention_bias)(xq)
     k = _dense(cfg.num_kv_heads * cfg.head_dim, "k_proj", dt, cfg.attention_bias)(x)
     v = _dense(cfg.num_kv_heads * cfg.head_dim, "v_proj", dt, cfg.attention_bias)(x)
-    q = rope(q.reshape(q.shape[0], cfg.num_q_heads, cfg.head_dim), q_pos, cfg.rope_theta)
-    k = rope(k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim), positions, cfg.rope_theta)
+    with jax.named_scope("rope"):
+      q = rope(q.reshape(q.shape[0], cfg.num_q_heads, cfg.head_dim), q_pos, cfg.rope_theta)
+      k = rope(k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim), positions, cfg.rope_theta)
     v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
     o, kv = kv.attend(self.layer, q, k, v, sliding_window=cfg.sliding_window, select=select)
     o = _dense(cfg.hidden_size, "o_proj", dt)(o.reshape(q.shape[0], -1).astype(dt))

@@ -78,7 +78,9 @@ def sample_step(params, pool: KVPool, batch: Batch, sampling: SamplingArrays, *,
     SampleOutput [num_samples], and the updated pool (donated).
   """
   logits, pool = _forward(params, pool, batch, cfg, impl)
-  return sample(logits, sampling, greedy_only=greedy_only, num_logprobs=num_logprobs), pool
+  with jax.named_scope("sampling"):
+    out = sample(logits, sampling, greedy_only=greedy_only, num_logprobs=num_logprobs)
+  return out, pool
 
 
 @flax.struct.dataclass
@@ -132,8 +134,9 @@ def multi_step_decode(params, pool: KVPool, state: DecodeState, sampling: Sampli
                            cu_q_lens=cu_q_lens, slots=slots.astype(jnp.int32), max_q_len=1,
                            num_decode=num_seqs)
     logits, pool = _forward(params, pool, Batch(tokens, positions, md, rows), cfg, impl)
-    out = sample(logits, sampling.replace(output_index=sampling.output_index + s),
-                 greedy_only=greedy_only, num_logprobs=num_logprobs)
+    with jax.named_scope("sampling"):
+      out = sample(logits, sampling.replace(output_index=sampling.output_index + s),
+                   greedy_only=greedy_only, num_logprobs=num_logprobs)
     return (pool, out.tokens, positions + 1), out
 
   (pool, _, _), out = jax.lax.scan(body, (pool, state.tokens, state.positions),

@@ -93,7 +93,7 @@ def build_step(plan: StepPlan, bm: BlockManager) -> dict:
   for i, r in enumerate(decode):
     tokens[i] = r.seq.tokens[-1]
     positions[i] = r.start
-    slots[i] = slots_for_positions(tables[i], [r.start], ps)[0]
+    slots[i] = tables[i][r.start // ps] * ps + r.start % ps   # one slot: plain ints
     seq_lens[i] = r.stop
   offset = num_decode
   for j, r in enumerate(prefill):

@@ -266,6 +266,8 @@ class Scheduler:
             self._pending.extend((s.seq_id, a, b) for a, b in growth.copies)
             new = []
         if not new:
+          if not extra:
+            break
           growth = self.bm.reserve(s.seq_id, extra)
           if growth is not None:
             self._pending.extend((s.seq_id, a, b) for a, b in growth.copies)

@@ -4,7 +4,7 @@ from absl.testing import absltest
 import numpy as np
 
 from experiments import (allocator_waste, attention_bench, block_manager_bench, copy_eval, demo,
-                         step_bench, train_copy_model)
+                         profile_step, serve_bench, step_bench, train_copy_model)
 
 
 class ExperimentsTest(absltest.TestCase):
@@ -93,6 +93,33 @@ class ExperimentsTest(absltest.TestCase):
                                            steps_per_sync=8, impl="xla", dense_check=2))
     self.assertTrue(r["dense_agrees"])
     self.assertGreaterEqual(r["accuracy"], 0.9)
+
+  def test_serve_bench_against_transformers(self):
+    # Every engine in its own process, at a tiny shape: same greedy tokens, floors reported.
+    cfg = serve_bench.BenchConfig(preset="tiny", vocab_size=64, num_requests=3, min_prompt=4,
+                                  max_prompt=20, new_tokens=5, repetitions=1, page_size=4,
+                                  steps_per_sync=2)
+    r = serve_bench.run(cfg, progress=lambda *_: None)
+    self.assertTrue(r["identical_tokens"], r["tokens_differ"])
+    self.assertEqual(set(r["engines"]), set(serve_bench.ENGINES))
+    ours = r["engines"]["paged_jax"]
+    self.assertGreater(ours["x_hf_generate"], 0)
+    self.assertGreater(ours["prefill_floor_s"], 0)
+    self.assertGreater(ours["decode_floor_ms"], 0)
+    self.assertTrue(0 < ours["host_share"] < 1)
+    self.assertEqual(ours["decode_steps"], 4)   # 4 decode tokens at k = 2
+    lengths = [len(p) for p in serve_bench.workload(cfg)]
+    self.assertTrue(all(4 <= n <= 20 for n in lengths))
+    self.assertEqual(serve_bench.workload(cfg), serve_bench.workload(cfg))   # seeded
+
+  def test_profile_step_attributes_time_to_model_parts(self):
+    r = profile_step.run(profile_step.ProfileConfig(
+        preset="tiny", vocab_size=64, num_requests=3, min_prompt=4, max_prompt=20, new_tokens=5,
+        page_size=4, steps_per_sync=2, repeats=1))
+    self.assertEqual((r["prefill_rows"], r["decode_rows"]), (3, 3))
+    for kind in ("prefill", "decode"):
+      for part in ("attention", "mlp", "q/k/v/o projections", "kv write", "sampling"):
+        self.assertGreater(r[kind].get(part, 0), 0, (kind, part, r[kind]))
 
   def test_copy_task_data(self):
     rng = np.random.default_rng(0)

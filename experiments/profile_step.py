@@ -1,0 +1,176 @@
+"""Where a step's time goes: one prefill step and one k-step decode round, per model part.
+
+  python -m experiments.profile_step                     # the serve benchmark's small model
+  python -m experiments.profile_step --preset=large --steps_per_sync=4
+
+Runs the serve benchmark's workload (experiments/serve_bench.py) through the engine once to
+compile, then traces one prefill step of every prompt and one decode round with
+`jax.profiler` (a Perfetto trace), maps each executed XLA op to the model part its HLO metadata
+names (attention, projections, MLP, norms, embedding, LM head, sampling, KV writes), and prints
+milliseconds per part. Loop and call ops are containers; only the ops they run are counted.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import glob
+import gzip
+import json
+import re
+import shutil
+import tempfile
+
+import jax
+import numpy as np
+
+from experiments import serve_bench
+
+# First match wins: the op_name of an XLA op (its JAX call stack) -> a model part.
+# The names are flax module names and the `jax.named_scope`s of model.py and step.py.
+PARTS = (
+    ("kv write", ("/kv_write",)),
+    ("attention", ("/attention",)),
+    ("rope", ("/rope",)),
+    ("q/k/v/o projections", ("q_proj", "k_proj", "v_proj", "o_proj")),
+    ("mlp", ("_mlp",)),
+    ("norms", ("layernorm", "/norm")),
+    ("embedding", ("embed_tokens",)),
+    ("lm head", ("lm_head",)),
+    ("sampling", ("/sampling",)),
+)
+_CONTAINERS = ("while", "conditional", "call")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileConfig:
+  preset: str = "small"
+  vocab_size: int = 512
+  num_requests: int = 32
+  min_prompt: int = 16
+  max_prompt: int = 256
+  new_tokens: int = 64
+  page_size: int = 16
+  steps_per_sync: int = 16
+  repeats: int = 3
+
+
+def _op_parts(hlo_text: str) -> dict[str, str]:
+  """HLO instruction name -> model part (from its metadata op_name)."""
+  parts = {}
+  for m in re.finditer(r"%([\w.\-]+) = [^\n]*?metadata=\{op_name=\"([^\"]*)\"", hlo_text):
+    name, op_name = m.group(1), m.group(2)
+    parts[name] = next((p for p, keys in PARTS if any(k in op_name for k in keys)), "other")
+  return parts
+
+
+def _profile(fn, hlo_text: str, repeats: int) -> dict[str, float]:
+  """Milliseconds per model part of one call of fn (mean of `repeats` traced calls)."""
+  jax.block_until_ready(fn())
+  out_dir = tempfile.mkdtemp(prefix="profile_step_")
+  try:
+    with jax.profiler.trace(out_dir, create_perfetto_trace=True):
+      for _ in range(repeats):
+        jax.block_until_ready(fn())
+    (trace,) = glob.glob(f"{out_dir}/**/*.trace.json.gz", recursive=True)
+    events = json.load(gzip.open(trace))
+  finally:
+    shutil.rmtree(out_dir, ignore_errors=True)
+  events = events["traceEvents"] if isinstance(events, dict) else events
+  parts = _op_parts(hlo_text)
+  total = collections.Counter()
+  for e in events:
+    name = e.get("name", "")
+    if e.get("ph") != "X" or name not in parts or name.split(".")[0] in _CONTAINERS:
+      continue
+    total[parts[name]] += e["dur"] / 1e3 / repeats
+  return dict(total.most_common())
+
+
+def run(cfg: ProfileConfig, model_dir: str | None = None) -> dict:
+  """{"prefill": {part: ms}, "decode": {part: ms per decode step}, shapes}."""
+  from paged_jax import checkpoint, step
+  from paged_jax.config import CacheConfig
+  from paged_jax.engine import Engine
+  from paged_jax.host import batching
+  from paged_jax.host.scheduler import SchedulerConfig
+  from paged_jax.sampling import SamplingParams
+  bench = serve_bench.BenchConfig(
+      preset=cfg.preset, vocab_size=cfg.vocab_size, num_requests=cfg.num_requests,
+      min_prompt=cfg.min_prompt, max_prompt=cfg.max_prompt, new_tokens=cfg.new_tokens,
+      page_size=cfg.page_size, steps_per_sync=cfg.steps_per_sync)
+  path = model_dir or tempfile.mkdtemp(prefix="profile_model_")
+  if not glob.glob(f"{path}/config.json"):
+    serve_bench.make_model(bench, path)
+  params, mcfg, _ = checkpoint.load_checkpoint(path)
+  prompts = serve_bench.workload(bench)
+  longest = max(map(len, prompts)) + cfg.new_tokens + cfg.steps_per_sync
+  engine = Engine(params, mcfg, cache=CacheConfig(
+      page_size=cfg.page_size, num_pages=1 + len(prompts) * -(-longest // cfg.page_size)),
+      scheduler=SchedulerConfig(max_num_seqs=max(64, len(prompts)),
+                                max_num_batched_tokens=max(8192, sum(map(len, prompts))),
+                                steps_per_sync=cfg.steps_per_sync))
+  sp = SamplingParams(max_tokens=cfg.new_tokens, ignore_eos=True)
+  for p in prompts:
+    engine.add_request(p, sp)
+  result = {}
+  for kind in ("prefill", "decode"):
+    plan = engine.scheduler.schedule()
+    engine._apply_swaps_and_copies(plan)
+    greedy = dict(greedy_only=True, num_logprobs=0, impl=engine.impl, cfg=mcfg)
+    if kind == "prefill":
+      assert plan.prefill_rows and plan.num_steps == 1, "the first step must prefill every prompt"
+      a = batching.build_step(plan, engine.bm)
+      md = step.AttentionMetadata(a["block_tables"], a["seq_lens"], a["cu_q_lens"], a["slots"],
+                                  max_q_len=a["max_q_len"], num_decode=a["num_decode"])
+      inputs = jax.device_put((step.Batch(a["tokens"], a["positions"], md,
+                                          a["logits_indices"]), a["sampling"]))
+      fn, kw = step.sample_step, greedy
+    else:
+      assert plan.num_steps == cfg.steps_per_sync > 1, "the second step must be a decode round"
+      a = batching.build_decode_round(plan, engine.bm)
+      inputs = jax.device_put((step.DecodeState(a["tokens"], a["positions"], a["block_tables"],
+                                                a["write_limit"]), a["sampling"]))
+      fn, kw = step.multi_step_decode, dict(greedy, num_steps=plan.num_steps)
+    hlo = fn.lower(params, engine.pool, *inputs, **kw).compile().as_text()
+    holder = {"pool": engine.pool}
+
+    def call():
+      out, holder["pool"] = fn(params, holder["pool"], *inputs, **kw)
+      return out.tokens
+
+    ms = _profile(call, hlo, cfg.repeats)
+    out, engine.pool = fn(params, holder["pool"], *inputs, **kw)
+    engine.scheduler.update(plan, {f.name: np.asarray(getattr(out, f.name))[None]
+                                   if plan.num_steps == 1 else np.asarray(getattr(out, f.name))
+                                   for f in dataclasses.fields(out)})
+    scale = 1 if kind == "prefill" else 1 / plan.num_steps
+    result[kind] = {part: v * scale for part, v in ms.items()}
+    result[f"{kind}_rows"] = len(plan.rows)
+    result[f"{kind}_tokens"] = int(sum(r.stop - r.start for r in plan.rows))
+  return result
+
+
+def format_result(r: dict) -> str:
+  lines = []
+  for kind, unit in (("prefill", "ms per step"), ("decode", "ms per decode step")):
+    parts = r[kind]
+    lines.append(f"{kind} ({r[f'{kind}_rows']} rows, {r[f'{kind}_tokens']} tokens), {unit}: "
+                 f"total {sum(parts.values()):.2f}")
+    lines += [f"  {p:22s} {v:8.2f}" for p, v in parts.items()]
+  return "\n".join(lines)
+
+
+def main(argv):
+  from absl import flags
+  f = flags.FLAGS
+  r = run(ProfileConfig(preset=f.preset, steps_per_sync=f.steps_per_sync), f.model_dir)
+  print(format_result(r))
+
+
+if __name__ == "__main__":
+  from absl import app, flags
+  flags.DEFINE_enum("preset", "small", list(serve_bench.PRESETS), "Model shape.")
+  flags.DEFINE_integer("steps_per_sync", 16, "Decode steps in the profiled round.")
+  flags.DEFINE_string("model_dir", None, "Reuse a saved model directory.")
+  app.run(main)
