@@ -22,7 +22,7 @@ from absl import app, flags
 import numpy as np
 
 from experiments import train_copy_model
-from paged_jax import checkpoint, embedded, testing
+from paged_jax import checkpoint, config, embedded, testing
 from paged_jax.generate import Generator
 
 
@@ -73,6 +73,7 @@ def run(cfg: EvalConfig) -> dict:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError("Too many command-line arguments.")
+  config.enable_compilation_cache(_CACHE.value)
   cfg = EvalConfig(_MODEL.value, _NUM_PROMPTS.value, _PAGE_SIZE.value, _NUM_PAGES.value,
                    _STEPS_PER_SYNC.value, _MAX_BATCH.value, _IMPL.value)
   r = run(cfg)
@@ -103,4 +104,6 @@ if __name__ == "__main__":
   _MAX_BATCH = flags.DEFINE_integer("max_batch", 64, "Most sequences decoded at once.")
   _IMPL = flags.DEFINE_enum("impl", "auto", ["auto", "xla", "pallas"], "Attention path.")
   _OUT = flags.DEFINE_string("out", "experiments/results/copy_eval.jsonl", "JSONL to append to.")
+  _CACHE = flags.DEFINE_string("compilation_cache", config.DEFAULT_COMPILATION_CACHE,
+                               "Directory for compiled programs ('' = off).")
   app.run(main)

@@ -44,14 +44,8 @@ _CONTAINERS = ("while", "conditional", "call")
 
 @dataclasses.dataclass(frozen=True)
 class ProfileConfig:
-  preset: str = "small"
-  vocab_size: int = 512
-  num_requests: int = 32
-  min_prompt: int = 16
-  max_prompt: int = 256
-  new_tokens: int = 64
-  page_size: int = 16
-  steps_per_sync: int = 16
+  """The serve benchmark's model, workload and engine settings, and traced calls per step."""
+  bench: serve_bench.BenchConfig = serve_bench.BenchConfig()
   repeats: int = 3
 
 
@@ -95,22 +89,20 @@ def run(cfg: ProfileConfig, model_dir: str | None = None) -> dict:
   from paged_jax.host import batching
   from paged_jax.host.scheduler import SchedulerConfig
   from paged_jax.sampling import SamplingParams
-  bench = serve_bench.BenchConfig(
-      preset=cfg.preset, vocab_size=cfg.vocab_size, num_requests=cfg.num_requests,
-      min_prompt=cfg.min_prompt, max_prompt=cfg.max_prompt, new_tokens=cfg.new_tokens,
-      page_size=cfg.page_size, steps_per_sync=cfg.steps_per_sync)
+  bench = cfg.bench
   path = model_dir or tempfile.mkdtemp(prefix="profile_model_")
   if not glob.glob(f"{path}/config.json"):
     serve_bench.make_model(bench, path)
   params, mcfg, _ = checkpoint.load_checkpoint(path)
   prompts = serve_bench.workload(bench)
-  longest = max(map(len, prompts)) + cfg.new_tokens + cfg.steps_per_sync
+  longest = max(map(len, prompts)) + bench.new_tokens + bench.steps_per_sync
   engine = Engine(params, mcfg, cache=CacheConfig(
-      page_size=cfg.page_size, num_pages=1 + len(prompts) * -(-longest // cfg.page_size)),
-      scheduler=SchedulerConfig(max_num_seqs=max(64, len(prompts)),
-                                max_num_batched_tokens=max(8192, sum(map(len, prompts))),
-                                steps_per_sync=cfg.steps_per_sync))
-  sp = SamplingParams(max_tokens=cfg.new_tokens, ignore_eos=True)
+      page_size=bench.page_size, num_pages=1 + len(prompts) * -(-longest // bench.page_size)),
+      scheduler=SchedulerConfig(max_num_seqs=max(bench.max_num_seqs, len(prompts)),
+                                max_num_batched_tokens=max(bench.max_num_batched_tokens,
+                                                           sum(map(len, prompts))),
+                                steps_per_sync=bench.steps_per_sync))
+  sp = SamplingParams(max_tokens=bench.new_tokens, ignore_eos=True)
   for p in prompts:
     engine.add_request(p, sp)
   result = {}
@@ -120,15 +112,15 @@ def run(cfg: ProfileConfig, model_dir: str | None = None) -> dict:
     greedy = dict(greedy_only=True, num_logprobs=0, impl=engine.impl, cfg=mcfg)
     if kind == "prefill":
       assert plan.prefill_rows and plan.num_steps == 1, "the first step must prefill every prompt"
-      a = batching.build_step(plan, engine.bm)
+      a = batching.build_step(plan, engine.bm, engine.max_pages_per_seq)
       md = step.AttentionMetadata(a["block_tables"], a["seq_lens"], a["cu_q_lens"], a["slots"],
                                   max_q_len=a["max_q_len"], num_decode=a["num_decode"])
       inputs = jax.device_put((step.Batch(a["tokens"], a["positions"], md,
                                           a["logits_indices"]), a["sampling"]))
       fn, kw = step.sample_step, greedy
     else:
-      assert plan.num_steps == cfg.steps_per_sync > 1, "the second step must be a decode round"
-      a = batching.build_decode_round(plan, engine.bm)
+      assert plan.num_steps == bench.steps_per_sync > 1, "the second step must be a decode round"
+      a = batching.build_decode_round(plan, engine.bm, engine.max_pages_per_seq)
       inputs = jax.device_put((step.DecodeState(a["tokens"], a["positions"], a["block_tables"],
                                                 a["write_limit"]), a["sampling"]))
       fn, kw = step.multi_step_decode, dict(greedy, num_steps=plan.num_steps)
@@ -164,7 +156,8 @@ def format_result(r: dict) -> str:
 def main(argv):
   from absl import flags
   f = flags.FLAGS
-  r = run(ProfileConfig(preset=f.preset, steps_per_sync=f.steps_per_sync), f.model_dir)
+  r = run(ProfileConfig(serve_bench.BenchConfig(preset=f.preset, steps_per_sync=f.steps_per_sync)),
+          f.model_dir)
   print(format_result(r))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,3 +127,17 @@ class CacheConfig:
       raise ValueError(f"a KV budget of {budget} bytes holds {pages} pages of "
                        f"{self.bytes_per_page(model)} bytes; the pool needs at least 2")
     return int(pages)
+
+
+DEFAULT_COMPILATION_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "paged_jax", "xla")
+
+
+def enable_compilation_cache(directory: str | None = DEFAULT_COMPILATION_CACHE) -> None:
+  """Keeps compiled XLA programs on disk, so a second run of a command skips compiling (each
+  step shape takes ~1-3 s to compile on a small CPU). None or "" leaves it off."""
+  if not directory:
+    return
+  import jax
+  os.makedirs(directory, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", directory)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

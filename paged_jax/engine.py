@@ -108,6 +108,7 @@ class Engine:
                               page_size=cache.page_size, num_kv_heads=cfg.num_kv_heads,
                               head_dim=cfg.head_dim, dtype=cfg.dtype)
     self.capacity_tokens = (self.num_pages - 1) * cache.page_size
+    self.max_pages_per_seq = -(-cfg.max_position // cache.page_size)
     self.stats = EngineStats()
     self._rng = np.random.default_rng(seed)
     self._swap: dict[str, tuple[np.ndarray, np.ndarray]] = {}   # request id -> host K, V
@@ -264,14 +265,14 @@ class Engine:
                  else r.group.params.logprobs) for r in plan.rows)
     num_logprobs = batching.next_pow2(top_n) if top_n else 0
     if plan.num_steps > 1:
-      a = batching.build_decode_round(plan, self.bm)
+      a = batching.build_decode_round(plan, self.bm, self.max_pages_per_seq)
       state = step.DecodeState(a["tokens"], a["positions"], a["block_tables"], a["write_limit"])
       inputs = jax.device_put((state, a["sampling"]))   # one transfer for every array
       kw = dict(cfg=self.cfg, num_steps=plan.num_steps, impl=self.impl,
                 greedy_only=greedy_only, num_logprobs=num_logprobs)
       fn = self.steps.multi_step_decode
     else:
-      a = batching.build_step(plan, self.bm)
+      a = batching.build_step(plan, self.bm, self.max_pages_per_seq)
       md = AttentionMetadata(a["block_tables"], a["seq_lens"], a["cu_q_lens"], a["slots"],
                              max_q_len=a["max_q_len"], num_decode=a["num_decode"])
       batch = step.Batch(a["tokens"], a["positions"], md, a["logits_indices"])

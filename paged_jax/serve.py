@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from paged_jax import checkpoint, embedded, workloads
-from paged_jax.config import CacheConfig
+from paged_jax.config import DEFAULT_COMPILATION_CACHE, CacheConfig, enable_compilation_cache
 from paged_jax.engine import Engine
 from paged_jax.host.scheduler import SchedulerConfig
 from paged_jax.sampling import SamplingParams
@@ -237,7 +237,7 @@ def report(r: dict) -> str:
   ms = lambda v: "-" if v is None else f"{1e3 * v:.1f}"
   lines = [
       f"served {r['num_requests']} requests in {r['seconds']:.2f} s"
-      f"{' (includes XLA compilation; --warmup runs them once first)' if r['compile_included'] else ''}",
+      f"{' (compiling included, unless cached from a run before; --warmup excludes it)' if r['compile_included'] else ''}",
       f"  throughput: {r['input_tokens_per_s']:.0f} input tok/s, "
       f"{r['output_tokens_per_s']:.0f} output tok/s "
       f"({r['input_tokens']} in, {r['output_tokens']} out)",
@@ -259,6 +259,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError("Too many command-line arguments.")
   f = flags.FLAGS
+  enable_compilation_cache(f.compilation_cache)
   cfg = ServeConfig(
       model_dir=f.model, prompts=tuple(f.prompt or ()), prompts_file=f.prompts_file,
       workload=f.workload, num_requests=f.num_requests, request_rate=f.request_rate,
@@ -308,6 +309,8 @@ def define_flags():
   flags.DEFINE_bool("warmup", False, "Run the workload once first, so timing excludes compiling.")
   flags.DEFINE_bool("progress", True, "Show a progress bar.")
   flags.DEFINE_string("json", None, "Write the summary as JSON here.")
+  flags.DEFINE_string("compilation_cache", DEFAULT_COMPILATION_CACHE,
+                      "Directory for compiled programs, reused by later runs ('' = off).")
 
 
 if __name__ == "__main__":

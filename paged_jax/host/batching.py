@@ -1,9 +1,12 @@
 """A step plan -> padded NumPy arrays for the device (`step.Batch` / `step.DecodeState`).
 
 Shapes are padded to buckets so each compiles once: rows and sample rows to powers of two
-(`next_pow2`), prefill tokens to `token_bucket` (powers of two up to 256, then eight steps per
-octave, so a 4,560-token prefill pads to 4,608, not 8,192), block-table width to a power of two
-(`pad_block_tables`). Layout of a mixed step (see `state.AttentionMetadata.num_decode`):
+(`next_pow2`; at least 8 decode rows, 4 prefill rows, and as many sample rows as rows), prefill
+tokens to `token_bucket` (powers of two from 64 up to 256, then eight steps per octave, so a
+4,560-token prefill pads to 4,608, not 8,192), block-table width to a power of two of at least
+64 columns (`table_width`: attention work follows seq_lens, not the width, so a wide table costs
+only its int32s), the prefill chunks' max_q_len to a power of two >= 64. Every distinct shape is
+a compile (~1-3 s on this CPU); the floors keep a varied workload to a couple of dozen programs. Layout of a mixed step (see `state.AttentionMetadata.num_decode`):
 decode rows first, one token each (padded to a power of two), then the prefill chunks' tokens.
 A padding decode row reads and writes slot 0 of NULL_PAGE; padding prefill rows are empty.
 NumPy only: the engine does the one `device_put`.
@@ -37,6 +40,18 @@ def token_bucket(n: int, minimum: int = 16) -> int:
   return -(-n // granule) * granule
 
 
+MIN_TABLE_WIDTH = 64   # block-table columns at least (or the model's whole context if less)
+MIN_Q_BUCKET = 64      # max_q_len of prefill chunks at least (one attention tile)
+MIN_DECODE_ROWS = 8    # decode rows at least (a decode step reads every weight once anyway)
+MIN_PREFILL_ROWS = 4
+MIN_PREFILL_TOKENS = 64
+
+
+def table_width(longest: int, max_pages_per_seq: int) -> int:
+  """Padded block-table width for a batch whose longest table has `longest` pages."""
+  return max(next_pow2(longest), min(MIN_TABLE_WIDTH, next_pow2(max_pages_per_seq)))
+
+
 def pad_block_tables(tables: Sequence[Sequence[int]], num_rows: int,
                      width: int | None = None) -> np.ndarray:
   """i32[num_rows, width] with NULL_PAGE past each table and in padding rows; width defaults to
@@ -62,7 +77,7 @@ def sampling_rows(plan: StepPlan) -> list:
   return rows
 
 
-def build_step(plan: StepPlan, bm: BlockManager) -> dict:
+def build_step(plan: StepPlan, bm: BlockManager, max_pages_per_seq: int = 1) -> dict:
   """Arrays of a one-step plan (decode rows and prefill chunks mixed).
 
   Returns a dict: tokens, positions, slots i32[num_tokens]; block_tables i32[num_rows, width];
@@ -72,15 +87,16 @@ def build_step(plan: StepPlan, bm: BlockManager) -> dict:
   """
   ps = bm.page_size
   decode, prefill = plan.decode_rows, plan.prefill_rows
-  num_decode = next_pow2(len(decode)) if decode else 0
-  num_prefill_rows = next_pow2(len(prefill)) if prefill else 0
+  num_decode = next_pow2(len(decode), MIN_DECODE_ROWS) if decode else 0
+  num_prefill_rows = next_pow2(len(prefill), MIN_PREFILL_ROWS) if prefill else 0
   chunk_lens = [r.stop - r.start for r in prefill]
-  num_prefill_tokens = token_bucket(sum(chunk_lens)) if prefill else 0
+  num_prefill_tokens = token_bucket(sum(chunk_lens), MIN_PREFILL_TOKENS) if prefill else 0
   num_rows = num_decode + num_prefill_rows
   num_tokens = num_decode + num_prefill_tokens
   rows = decode + prefill
   tables = [bm.block_table(r.seq.seq_id) for r in rows]
-  block_tables = np.full((num_rows, next_pow2(max(map(len, tables)))), NULL_PAGE, np.int32)
+  width = table_width(max(map(len, tables)), max_pages_per_seq)
+  block_tables = np.full((num_rows, width), NULL_PAGE, np.int32)
   for i, t in enumerate(tables):
     block_tables[i if i < len(decode) else num_decode + i - len(decode), :len(t)] = t
   tokens = np.zeros(num_tokens, np.int32)
@@ -106,7 +122,7 @@ def build_step(plan: StepPlan, bm: BlockManager) -> dict:
     offset += n
   cu[num_decode + 1:num_decode + len(prefill) + 1] = num_decode + np.cumsum(chunk_lens)
   cu[num_decode + len(prefill) + 1:] = offset
-  num_samples = next_pow2(plan.num_samples)
+  num_samples = max(next_pow2(plan.num_samples), num_rows)   # no new shape in the common case
   logits_indices = np.zeros(num_samples, np.int32)
   s = 0
   for i, r in enumerate(rows):
@@ -116,20 +132,23 @@ def build_step(plan: StepPlan, bm: BlockManager) -> dict:
   return dict(tokens=tokens, positions=positions, slots=slots, block_tables=block_tables,
               seq_lens=seq_lens, cu_q_lens=cu, logits_indices=logits_indices,
               sampling=SamplingArrays.from_rows(sampling_rows(plan), num_samples),
-              max_q_len=next_pow2(max(chunk_lens)) if prefill else 1, num_decode=num_decode)
+              max_q_len=next_pow2(max(chunk_lens), MIN_Q_BUCKET) if prefill else 1,
+              num_decode=num_decode)
 
 
-def build_decode_round(plan: StepPlan, bm: BlockManager) -> dict:
+def build_decode_round(plan: StepPlan, bm: BlockManager, max_pages_per_seq: int = 1) -> dict:
   """Arrays of a k-step decode round: tokens, positions, write_limit i32[num_rows];
   block_tables i32[num_rows, width]; sampling (SamplingArrays). Padding rows have write_limit 0."""
   rows = plan.rows
-  num_rows = next_pow2(len(rows))
+  num_rows = next_pow2(len(rows), MIN_DECODE_ROWS)
   tokens = np.zeros(num_rows, np.int32)
   positions = np.zeros(num_rows, np.int32)
   limits = np.zeros(num_rows, np.int32)
   for i, r in enumerate(rows):
     tokens[i], positions[i], limits[i] = r.seq.tokens[-1], r.start, r.write_limit
-  tables = pad_block_tables([bm.block_table(r.seq.seq_id) for r in rows], num_rows)
+  tables = [bm.block_table(r.seq.seq_id) for r in rows]
+  tables = pad_block_tables(tables, num_rows,
+                            table_width(max(map(len, tables)), max_pages_per_seq))
   return dict(tokens=tokens, positions=positions, block_tables=tables, write_limit=limits,
               sampling=SamplingArrays.from_rows(sampling_rows(plan), num_rows))
 

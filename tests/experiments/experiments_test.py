@@ -113,9 +113,9 @@ class ExperimentsTest(absltest.TestCase):
     self.assertEqual(serve_bench.workload(cfg), serve_bench.workload(cfg))   # seeded
 
   def test_profile_step_attributes_time_to_model_parts(self):
-    r = profile_step.run(profile_step.ProfileConfig(
+    r = profile_step.run(profile_step.ProfileConfig(serve_bench.BenchConfig(
         preset="tiny", vocab_size=64, num_requests=3, min_prompt=4, max_prompt=20, new_tokens=5,
-        page_size=4, steps_per_sync=2, repeats=1))
+        page_size=4, steps_per_sync=2), repeats=1))
     self.assertEqual((r["prefill_rows"], r["decode_rows"]), (3, 3))
     for kind in ("prefill", "decode"):
       for part in ("attention", "mlp", "q/k/v/o projections", "kv write", "sampling"):
