@@ -127,6 +127,14 @@ def _dense(features: int, name: str, dtype, bias: bool = False) -> nn.Dense:
                   kernel_init=nn.initializers.normal(0.02))
 
 
+class Embed(nn.Embed):
+  """nn.Embed (same parameter) with a clamping gather: `jnp.take`'s default "fill" mode adds a
+  select over every embedded value, and token ids are validated on the host already."""
+
+  def __call__(self, inputs):
+    return jnp.take(self.embedding.astype(self.dtype), inputs, axis=0, mode="clip")
+
+
 class Attention(nn.Module):
   cfg: ModelConfig
   layer: int
@@ -179,8 +187,8 @@ class Decoder(nn.Module):
     tokens only (every token's K/V is still written): nothing after it reads the others.
     """
     cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
-    embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dt, param_dtype=dt,
-                     name="embed_tokens", embedding_init=nn.initializers.normal(0.02))
+    embed = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dt, param_dtype=dt,
+                  name="embed_tokens", embedding_init=nn.initializers.normal(0.02))
     x = embed(tokens)
     for i in range(cfg.num_layers):
       select = logits_indices if i == cfg.num_layers - 1 else None
