@@ -33,9 +33,8 @@ from paged_jax.host import batching
 from paged_jax.host.addressing import pages_needed
 from paged_jax.host.block_manager import BlockManager
 from paged_jax.host.scheduler import Scheduler, SchedulerConfig, StepPlan
-from paged_jax.host.sequence import (CompletionOutput, RequestOutput, Sequence, SequenceGroup,
-                                     SequenceStatus)
-from paged_jax.sampling import SamplingArrays, SamplingParams
+from paged_jax.host.sequence import CompletionOutput, RequestOutput, Sequence, SequenceGroup
+from paged_jax.sampling import SamplingParams
 from paged_jax.state import AttentionMetadata, KVPool
 
 

@@ -2,9 +2,7 @@
 
 from absl.testing import absltest, parameterized
 import chex
-import jax
 import jax.numpy as jnp
-import numpy as np
 
 from paged_jax import config, generate, step, testing
 
