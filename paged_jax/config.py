@@ -18,6 +18,9 @@ class ModelConfig:
     tie_embeddings: the LM head reuses the token embedding.
     attention_bias: q/k/v projections have biases (Qwen2).
     sliding_window: Mistral-style window (keys t - W + 1 .. t), or None.
+    layer_types: per layer "full_attention" or "sliding_attention" (transformers' name), or None:
+      then every layer uses `sliding_window` (Mistral). Qwen2 windows only some layers.
+    hidden_act: the MLP's gate activation, one of HIDDEN_ACTS (transformers' names).
     max_position: longest sequence the model supports.
     dtype: parameter and activation dtype name ("float32" or "bfloat16").
   """
@@ -33,6 +36,8 @@ class ModelConfig:
   tie_embeddings: bool = False
   attention_bias: bool = False
   sliding_window: int | None = None
+  layer_types: tuple[str, ...] | None = None
+  hidden_act: str = "silu"
   max_position: int = 2048
   dtype: str = "float32"
 
@@ -48,6 +53,31 @@ class ModelConfig:
       raise ValueError(f"head_dim={self.head_dim} must be even (rotary embeddings)")
     if self.dtype not in ("float32", "bfloat16"):
       raise ValueError(f"dtype={self.dtype!r} must be 'float32' or 'bfloat16'")
+    if self.sliding_window is not None and self.sliding_window < 1:
+      raise ValueError(f"sliding_window={self.sliding_window} must be >= 1 (or None: no window)")
+    if self.hidden_act not in HIDDEN_ACTS:
+      raise ValueError(f"hidden_act={self.hidden_act!r} is not supported; supported: "
+                       f"{sorted(HIDDEN_ACTS)}")
+    if self.layer_types is not None:
+      if not isinstance(self.layer_types, tuple):   # keep the config hashable
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+      if len(self.layer_types) != self.num_layers:
+        raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
+                         f"num_layers={self.num_layers}")
+      bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+      if bad:
+        raise ValueError(f"layer_types: {bad} not in {LAYER_TYPES}")
+
+  def layer_window(self, layer: int) -> int | None:
+    """The sliding window of one layer (None: full causal attention)."""
+    if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+      return None
+    return self.sliding_window
+
+
+# The MLP gate activations we implement (transformers' names; Llama / Qwen2 / Mistral use silu).
+HIDDEN_ACTS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def tiny_config(**overrides) -> ModelConfig:

@@ -152,7 +152,8 @@ class Attention(nn.Module):
       q = rope(q.reshape(q.shape[0], cfg.num_q_heads, cfg.head_dim), q_pos, cfg.rope_theta)
       k = rope(k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim), positions, cfg.rope_theta)
     v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-    o, kv = kv.attend(self.layer, q, k, v, sliding_window=cfg.sliding_window, select=select)
+    o, kv = kv.attend(self.layer, q, k, v, sliding_window=cfg.layer_window(self.layer),
+                      select=select)
     o = _dense(cfg.hidden_size, "o_proj", dt)(o.reshape(q.shape[0], -1).astype(dt))
     return o, kv
 
@@ -165,8 +166,19 @@ class MLP(nn.Module):
     dt = jnp.dtype(self.cfg.dtype)
     gate = _dense(self.cfg.intermediate_size, "gate_proj", dt)(x)
     up = _dense(self.cfg.intermediate_size, "up_proj", dt)(x)
-    # silu written out: nn.silu's lowering materialized a broadcast constant of the full shape.
-    return _dense(self.cfg.hidden_size, "down_proj", dt)(gate / (1 + jnp.exp(-gate)) * up)
+    return _dense(self.cfg.hidden_size, "down_proj", dt)(activation(self.cfg.hidden_act, gate) * up)
+
+
+def activation(name: str, x):
+  """transformers' ACT2FN for the names in config.HIDDEN_ACTS."""
+  if name == "silu":
+    # Written out: nn.silu's lowering materialized a broadcast constant of the full shape.
+    return x / (1 + jnp.exp(-x))
+  if name == "gelu":
+    return jax.nn.gelu(x, approximate=False)
+  if name in ("gelu_pytorch_tanh", "gelu_new"):
+    return jax.nn.gelu(x, approximate=True)
+  raise ValueError(f"hidden_act={name!r} is not supported")
 
 
 class Decoder(nn.Module):

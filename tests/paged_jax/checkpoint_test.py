@@ -75,6 +75,45 @@ class HuggingFaceExactnessTest(parameterized.TestCase):
         expected = hf(torch.tensor([prompt])).logits[0].numpy()
       np.testing.assert_allclose(_our_logits(params, cfg, prompt), expected, atol=1e-4, rtol=1e-4)
 
+  @parameterized.named_parameters(
+      # Qwen2 windows only layers >= max_window_layers (here layer 1 of 2) ...
+      ("qwen2_max_window_layers", "qwen2",
+       dict(use_sliding_window=True, sliding_window=3, max_window_layers=1), (None, 3)),
+      # ... or the layers transformers' layer_types names.
+      ("qwen2_layer_types", "qwen2",
+       dict(use_sliding_window=True, sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"]), (4, None)),
+      ("qwen2_window_off", "qwen2", dict(use_sliding_window=False, sliding_window=3), (None, None)),
+      ("llama_gelu", "llama", dict(hidden_act="gelu"), (None, None)),
+      ("llama_gelu_tanh", "llama", dict(hidden_act="gelu_pytorch_tanh"), (None, None)),
+  )
+  def test_per_layer_windows_and_activations(self, family, overrides, windows):
+    hf = _hf_model(family, **overrides)
+    hf.save_pretrained(self.dir)
+    params, cfg, _ = checkpoint.load_checkpoint(self.dir)
+    self.assertEqual(tuple(cfg.layer_window(i) for i in range(cfg.num_layers)), windows)
+    self.assertEqual(cfg.hidden_act, overrides.get("hidden_act", "silu"))
+    for prompt in _PROMPTS:   # the longest prompt (13) is past every window
+      with torch.no_grad():
+        expected = hf(torch.tensor([prompt])).logits[0].numpy()
+      np.testing.assert_allclose(_our_logits(params, cfg, prompt), expected, atol=1e-4, rtol=1e-4)
+
+  def test_config_without_architectures_uses_model_type(self):
+    hf = _hf_model("mistral", sliding_window=4)
+    hf.save_pretrained(self.dir)
+    file = os.path.join(self.dir, "config.json")
+    with open(file) as f:
+      raw = json.load(f)
+    del raw["architectures"]
+    with open(file, "w") as f:
+      json.dump(raw, f)
+    params, cfg, _ = checkpoint.load_checkpoint(self.dir)
+    self.assertEqual(cfg.sliding_window, 4)   # read as Mistral, from model_type
+    prompt = _PROMPTS[2]
+    with torch.no_grad():
+      expected = hf(torch.tensor([prompt])).logits[0].numpy()
+    np.testing.assert_allclose(_our_logits(params, cfg, prompt), expected, atol=1e-4, rtol=1e-4)
+
   @parameterized.parameters("llama", "mistral")
   def test_greedy_tokens_match_paged(self, family):
     hf = _hf_model(family, **({"sliding_window": 6} if family == "mistral" else {}))
@@ -189,6 +228,75 @@ class CheckpointErrorsTest(absltest.TestCase):
       json.dump({"eos_token_id": "x"}, f)
     with self.assertRaisesRegex(checkpoint.CheckpointError, "eos_token_id='x' must be"):
       checkpoint.load_eos_token_ids(self.dir)
+
+  def test_unsupported_activation_is_refused(self):
+    self._edit_config(hidden_act="relu")
+    with self.assertRaisesRegex(checkpoint.CheckpointError, "config.json.*hidden_act='relu'"):
+      checkpoint.load_checkpoint(self.dir)
+
+  def test_no_architectures_and_unknown_model_type(self):
+    self._edit_config(architectures=None, model_type="gpt2")
+    with self.assertRaisesRegex(checkpoint.CheckpointError, "unsupported architecture None "
+                                r"\(model_type 'gpt2'\)"):
+      checkpoint.load_checkpoint(self.dir)
+    self._edit_config(model_type="llama")
+    _, cfg, _ = checkpoint.load_checkpoint(self.dir)
+    self.assertEqual(cfg, self.cfg)
+
+  def test_tied_embeddings_with_a_stored_head(self):
+    from safetensors.numpy import load_file, save_file
+    cfg = config.tiny_config(tie_embeddings=True)
+    params = testing.random_params(cfg)
+    checkpoint.save_checkpoint(params, cfg, self.dir)
+    file = os.path.join(self.dir, "model.safetensors")
+    tensors = load_file(file)
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()   # equal: accepted
+    save_file(tensors, file)
+    loaded, got_cfg, _ = checkpoint.load_checkpoint(self.dir)
+    self.assertTrue(got_cfg.tie_embeddings)
+    chex.assert_trees_all_equal(loaded, params)
+    tensors["lm_head.weight"][3, 1] += 0.5   # differs: refused, with the difference
+    save_file(tensors, file)
+    with self.assertRaisesRegex(checkpoint.CheckpointError,
+                                r"model.safetensors: tie_word_embeddings is true but the stored "
+                                r"'lm_head.weight' differs .*max \|diff\| 0.5"):
+      checkpoint.load_checkpoint(self.dir)
+
+  def test_file_errors_name_the_file(self):
+    from safetensors.numpy import load_file, save_file
+    # A shard listed in the index but missing.
+    tensors = load_file(os.path.join(self.dir, "model.safetensors"))
+    os.remove(os.path.join(self.dir, "model.safetensors"))
+    names = sorted(tensors)
+    half = len(names) // 2
+    save_file({n: tensors[n] for n in names[:half]},
+              os.path.join(self.dir, "model-00001-of-00002.safetensors"))
+    index = os.path.join(self.dir, "model.safetensors.index.json")
+    with open(index, "w") as f:
+      json.dump({"weight_map": {n: f"model-0000{1 + (i >= half)}-of-00002.safetensors"
+                                for i, n in enumerate(names)}}, f)
+    with self.assertRaisesRegex(checkpoint.CheckpointError,
+                                "model-00002-of-00002.safetensors: listed in .*index.json but missing"):
+      checkpoint.load_checkpoint(self.dir)
+    save_file({n: tensors[n] for n in names[half:]},
+              os.path.join(self.dir, "model-00002-of-00002.safetensors"))
+    params, _, _ = checkpoint.load_checkpoint(self.dir)   # both shards: loads
+    chex.assert_trees_all_equal(params, self.params)
+    with open(index, "w") as f:
+      f.write("{")
+    with self.assertRaisesRegex(checkpoint.CheckpointError, "index.json: not valid JSON"):
+      checkpoint.load_checkpoint(self.dir)
+    os.remove(index)
+    # config.json that is not JSON; then a dtype we do not load.
+    with open(os.path.join(self.dir, "config.json"), "w") as f:
+      f.write("{'vocab_size': 64")
+    with self.assertRaisesRegex(checkpoint.CheckpointError, "config.json: not valid JSON"):
+      checkpoint.load_checkpoint(self.dir)
+    with self.assertRaisesRegex(checkpoint.CheckpointError, "config.json: not valid JSON"):
+      checkpoint.load_eos_token_ids(self.dir)
+    checkpoint.save_checkpoint(self.params, self.cfg, self.dir)
+    with self.assertRaisesRegex(checkpoint.CheckpointError, "dtype='float16' is not supported"):
+      checkpoint.load_checkpoint(self.dir, dtype="float16")
 
   def test_truncated_safetensors(self):
     file = os.path.join(self.dir, "model.safetensors")
