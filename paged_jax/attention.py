@@ -32,7 +32,8 @@ from pallas_kernels.paged_attention import kernel_triton
 from pallas_kernels.paged_attention.merge import (Summary, block_summary, finalize,
                                                   merge_summaries)
 from pallas_kernels.paged_attention.reference import (attention_mask, check_static_args,
-                                                      dense_attention, padded_to_ragged,
+                                                      dense_attention, empty_result,
+                                                      padded_to_ragged,
                                                       paged_attention_reference, ragged_to_padded)
 from paged_jax.state import NULL_PAGE
 
@@ -115,7 +116,9 @@ def _blocked_attention(fetch: Callable[[jax.Array], tuple[jax.Array, jax.Array]]
   return o, jnp.where(jnp.arange(num_tokens)[:, None] < cu_q_lens[-1], lse, -jnp.inf)
 
 
-IMPLS = ("auto", "xla", "pallas")
+# "interpret": the Pallas kernel through Pallas' interpreter (any backend; slow, for tests such
+# as the engine's isolation test on the CPU).
+IMPLS = ("auto", "xla", "pallas", "interpret")
 _KERNEL_MIN_COMPUTE_CAPABILITY = (8, 0)   # Triton backend's floor (Ampere)
 
 
@@ -159,6 +162,12 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
   """
   if impl not in IMPLS:
     raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
+  check_static_args(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, max_q_len=max_q_len,
+                    sliding_window=sliding_window, soft_cap=soft_cap)
+  if q.shape[0] == 0:
+    return empty_result(q, return_lse)
+  if impl == "interpret":
+    impl, interpret = "pallas", True
   reason = kernel_unavailable_reason(q.shape[-1], k_pages.shape[1])
   if impl == "pallas" and reason is not None and not interpret:
     raise ValueError(f"impl='pallas' cannot run here: {reason}. Use impl='xla' (or "
@@ -205,7 +214,10 @@ def paged_attention_xla(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, 
     dtype[num_tokens, num_q_heads, head_dim] (and lse if asked). Values are validated only by
     `validate_attention_inputs`; this jitted path checks shapes and dtypes alone.
   """
-  check_static_args(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens)
+  check_static_args(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, max_q_len=max_q_len,
+                    sliding_window=sliding_window, soft_cap=soft_cap)
+  if q.shape[0] == 0:
+    return empty_result(q, return_lse)
   num_seqs, max_pages_per_seq = block_tables.shape
   page_size = k_pages.shape[1]
   if pages_per_block is None:
@@ -260,6 +272,10 @@ def causal_ragged_attention(q, k, v, cu_q_lens, *, max_q_len: int, scale: float 
     (o dtype[num_tokens, num_q_heads, head_dim], lse f32[num_tokens, num_q_heads]); padding
     tokens get zeros and -inf.
   """
+  check_static_args(q, k, v, None, cu_q_lens[1:], cu_q_lens, max_q_len=max_q_len,
+                    sliding_window=sliding_window, soft_cap=soft_cap)
+  if q.shape[0] == 0:
+    return empty_result(q, return_lse=True)
   num_tokens, num_q_heads, head_dim = q.shape
   num_kv_heads = k.shape[1]
   num_seqs = cu_q_lens.shape[0] - 1
@@ -359,6 +375,8 @@ def prefill_attention(q, k, v, k_pages, v_pages, block_tables, seq_lens, cu_q_le
   Returns:
     dtype[num_tokens, num_q_heads, head_dim].
   """
+  if q.shape[0] == 0:
+    return empty_result(q)
   kw = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
   o_new, lse_new = causal_ragged_attention(q, k, v, cu_q_lens, max_q_len=max_q_len,
                                            tile_tokens=tile_tokens, **kw)
@@ -396,9 +414,11 @@ def step_attention(q, k, v, k_pages, v_pages, block_tables, seq_lens, cu_q_lens,
   """
   if impl not in IMPLS:
     raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
+  if q.shape[0] == 0:
+    return empty_result(q)
   reason = kernel_unavailable_reason(q.shape[-1], k_pages.shape[1])
   kw = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
-  if impl == "pallas" or (impl == "auto" and reason is None):
+  if impl in ("pallas", "interpret") or (impl == "auto" and reason is None):
     return paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens,
                            max_q_len=max(max_q_len, 1), impl=impl, **kw)
   d = num_decode
@@ -431,7 +451,10 @@ def contiguous_attention(q, k, v, seq_lens, cu_q_lens, *, max_q_len: int | None 
   Returns:
     dtype[num_tokens, num_q_heads, head_dim] (and lse if asked).
   """
-  check_static_args(q, k, v, None, seq_lens, cu_q_lens)
+  check_static_args(q, k, v, None, seq_lens, cu_q_lens, max_q_len=max_q_len,
+                    sliding_window=sliding_window, soft_cap=soft_cap)
+  if q.shape[0] == 0:
+    return empty_result(q, return_lse)
   max_kv_len = k.shape[1]
   block_tokens = min(block_tokens, max_kv_len)
   max_blocks = -(-max_kv_len // block_tokens)
@@ -449,16 +472,17 @@ def contiguous_attention(q, k, v, seq_lens, cu_q_lens, *, max_q_len: int | None 
       return_lse=return_lse)
 
 
-def validate_attention_inputs(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens) -> None:
+def validate_attention_inputs(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
+                              max_q_len: int | None = None) -> None:
   """Value checks for one step's inputs, on the host (NumPy). Tests and the host batcher call it;
   the jitted paths do not, so a decode step never pays for it.
 
   Raises:
     ValueError naming the offending values: shapes/dtypes (as in the jitted paths), negative or
-    non-monotone query offsets, a q_len larger than its kv_len, lengths beyond the table's
+    non-monotone query offsets, a q_len larger than its kv_len or than max_q_len, lengths beyond the table's
     capacity, page ids outside [0, num_pages), or NULL_PAGE inside a sequence's live pages.
   """
-  check_static_args(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens)
+  check_static_args(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, max_q_len=max_q_len)
   tables = np.asarray(block_tables)
   lens = np.asarray(seq_lens)
   cu = np.asarray(cu_q_lens)

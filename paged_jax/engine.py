@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import time
 from typing import Iterable, Iterator, NamedTuple, Sequence as Seq
 
@@ -33,9 +34,10 @@ from paged_jax.host import batching
 from paged_jax.host.addressing import pages_needed
 from paged_jax.host.block_manager import BlockManager
 from paged_jax.host.scheduler import Scheduler, SchedulerConfig, StepPlan
-from paged_jax.host.sequence import CompletionOutput, RequestOutput, Sequence, SequenceGroup
+from paged_jax.host.sequence import (CompletionOutput, FinishReason, RequestOutput, Sequence,
+                                     SequenceGroup)
 from paged_jax.sampling import SamplingParams
-from paged_jax.state import AttentionMetadata, KVPool
+from paged_jax.state import NULL_PAGE, AttentionMetadata, KVPool
 
 
 class StepFunctions(NamedTuple):
@@ -67,6 +69,10 @@ class EngineStats:
   cow_copies: int = 0
   copy_batches: int = 0
   max_pages_in_use: int = 0
+  failed_steps: int = 0         # steps that raised (the requests in them were requeued)
+  failed_requests: int = 0      # requests finished with reason "error"
+  scrubbed_pages: int = 0
+  validate_s: float = 0.0       # host time in `batching.validate_step` (part of host_s)
   prefill_s: float = 0.0
   decode_s: float = 0.0
   host_s: float = 0.0
@@ -85,13 +91,27 @@ class Engine:
     tokenizer: a `tokenizers.Tokenizer`; outputs then carry text.
     eos_token_ids: the model's end-of-sequence ids (one or several).
     steps: the device steps (tests pass fakes).
+    validate_tables: check every step's arrays against the block manager before they reach the
+      device (`batching.validate_step`); None = on when the environment variable
+      PAGED_JAX_VALIDATE_TABLES is "1" (the test suite sets it).
+    scrub_freed_pages: zero every page when it leaves its owners (freed, or evicted from the
+      prefix cache), before the next step's writes.
+    max_step_retries: a request whose step fails alone this many times finishes with reason
+      "error" (see `step()`).
   """
 
   def __init__(self, params, cfg: ModelConfig, *, cache: CacheConfig = CacheConfig(),
                scheduler: SchedulerConfig = SchedulerConfig(), impl: str = "auto", seed: int = 0,
                tokenizer=None, eos_token_ids: Iterable[int] = (),
-               steps: StepFunctions = StepFunctions()):
+               steps: StepFunctions = StepFunctions(), validate_tables: bool | None = None,
+               scrub_freed_pages: bool = False, max_step_retries: int = 2):
+    if max_step_retries < 1:
+      raise ValueError(f"max_step_retries={max_step_retries} must be >= 1")
     self.params, self.cfg, self.impl = params, cfg, impl
+    self.validate_tables = (os.environ.get("PAGED_JAX_VALIDATE_TABLES") == "1"
+                            if validate_tables is None else bool(validate_tables))
+    self.scrub_freed_pages = scrub_freed_pages
+    self.max_step_retries = max_step_retries
     self.tokenizer = tokenizer
     self.eos_token_ids = frozenset(_token_ids(eos_token_ids, cfg.vocab_size, "eos_token_ids"))
     self.steps = steps
@@ -100,12 +120,11 @@ class Engine:
     self.num_pages = cache.resolve_num_pages(cfg, stats)
     self.page_size = cache.page_size
     self.bm = BlockManager(self.num_pages, cache.page_size,
-                           enable_prefix_caching=cache.enable_prefix_caching)
+                           enable_prefix_caching=cache.enable_prefix_caching,
+                           track_released=scrub_freed_pages)
     self._seq_ids = itertools.count()
     self.scheduler = Scheduler(self.bm, scheduler, lambda: next(self._seq_ids))
-    self.pool = KVPool.create(num_layers=cfg.num_layers, num_pages=self.num_pages,
-                              page_size=cache.page_size, num_kv_heads=cfg.num_kv_heads,
-                              head_dim=cfg.head_dim, dtype=cfg.dtype)
+    self.pool = self._new_pool()
     self.capacity_tokens = (self.num_pages - 1) * cache.page_size
     self.max_pages_per_seq = -(-cfg.max_position // cache.page_size)
     self.stats = EngineStats()
@@ -114,16 +133,30 @@ class Engine:
     self._requests: dict[str, SequenceGroup] = {}
     self._finished_outputs: list[RequestOutput] = []
     self._ids = itertools.count()
+    self._stage = "run"
     logging.info("KV pool: %d pages x %d tokens = %d tokens (%.1f MiB)", self.num_pages - 1,
                  cache.page_size, self.capacity_tokens,
                  self.num_pages * cache.bytes_per_page(cfg) / 2 ** 20)
+
+  def _new_pool(self) -> KVPool:
+    cfg = self.cfg
+    return KVPool.create(num_layers=cfg.num_layers, num_pages=self.num_pages,
+                         page_size=self.page_size, num_kv_heads=cfg.num_kv_heads,
+                         head_dim=cfg.head_dim, dtype=cfg.dtype)
 
   # ------------------------------------------------------------------------------ requests
 
   def validate_request(self, prompt: Seq[int], params: SamplingParams) -> None:
     """Raises ValueError, naming the value, for a request that can never run."""
     cfg, sc = self.cfg, self.scheduler.config
-    prompt = list(prompt)
+    if not isinstance(params, SamplingParams):
+      raise ValueError(f"params={params!r} is not a SamplingParams")
+    if isinstance(prompt, (str, bytes)):
+      raise ValueError(f"the prompt is text ({prompt[:20]!r}); pass token ids (tokenize it)")
+    try:
+      prompt = list(prompt)
+    except TypeError:
+      raise ValueError(f"the prompt {prompt!r} is not a sequence of token ids") from None
     if not prompt:
       raise ValueError("the prompt is empty")
     _token_ids(prompt, cfg.vocab_size, "the prompt")
@@ -154,17 +187,25 @@ class Engine:
     return per_seq + (width - 1) * (per_seq - shared)
 
   def add_request(self, prompt: Seq[int], params: SamplingParams = SamplingParams(), *,
-                  request_id: str | None = None, arrival_time: float | None = None) -> str:
+                  request_id: str | None = None, arrival_time: float | None = None,
+                  cache_salt: str | None = None) -> str:
     """Queues a request; returns its id. Raises ValueError (and queues nothing) if it can never
-    run: bad token ids, longer than max_position, more pages than the whole pool."""
+    run: bad token ids, longer than max_position, more pages than the whole pool.
+
+    cache_salt: the request's prefix-cache namespace (e.g. one per user or tenant): requests
+    with different salts never share a page, so none can tell from its own cache hits (or its
+    timing) what another one's prompt was.
+    """
     request_id = f"req-{next(self._ids)}" if request_id is None else str(request_id)
     if request_id in self._requests:
       raise ValueError(f"request_id={request_id!r} is already in use")
+    if cache_salt is not None and not isinstance(cache_salt, str):
+      raise ValueError(f"cache_salt={cache_salt!r} must be a str or None")
     self.validate_request(prompt, params)
     seed = params.seed if params.seed is not None else int(self._rng.integers(2 ** 32))
     seq = Sequence(next(self._seq_ids), [int(t) for t in prompt], len(prompt))
     group = SequenceGroup(request_id, tuple(seq.tokens), params, [seq], seed,
-                          eos_token_ids=self.eos_token_ids,
+                          eos_token_ids=self.eos_token_ids, cache_salt=cache_salt,
                           arrival_time=time.perf_counter() if arrival_time is None else arrival_time)
     self._requests[request_id] = group
     self.scheduler.add(group)
@@ -185,11 +226,29 @@ class Engine:
   def has_unfinished(self) -> bool:
     return self.scheduler.has_unfinished() or bool(self._finished_outputs)
 
+  def pages_of(self, request_id: str) -> frozenset[int]:
+    """Pages the request's live sequences reference now (none while waiting or swapped)."""
+    g = self._requests.get(request_id)
+    if g is None:
+      return frozenset()
+    return frozenset(p for s in g.seqs if s.seq_id in self.bm for p in self.bm.block_table(s.seq_id))
+
   # ------------------------------------------------------------------------------ the loop
 
   def step(self) -> list[RequestOutput]:
     """Runs one scheduled step. Returns an output for every request that got tokens or finished
-    (beam search requests report once, when they finish)."""
+    (beam search requests report once, when they finish).
+
+    Faults: if the device work of a step raises, no token of it is applied. If the model step
+    itself failed and the pool is intact, the host state is still consistent (the next plan
+    recomputes the same positions), so the requests stay as they are. If swaps or copies failed
+    (pages may hold garbage) or the failure consumed the pool (it is rebuilt), the requests
+    involved (all, when the pool is lost) are requeued holding no pages, their tokens kept, to
+    be recomputed. Either way each request of the failed step becomes a suspect: suspects run
+    alone, oldest first, until a step of their own succeeds; one whose steps fail alone
+    `max_step_retries` times in a row finishes with reason "error" and the exception's
+    message. The others go on.
+    """
     t0 = time.perf_counter()
     outputs, self._finished_outputs = self._finished_outputs, []
     plan = self.scheduler.schedule()
@@ -199,11 +258,24 @@ class Engine:
                            "(add_request rejects what can never fit)")
       self.stats.host_s += time.perf_counter() - t0
       return outputs
-    self._apply_swaps_and_copies(plan)
     device_s = 0.0
     out = None
-    if plan.rows:
-      out, device_s = self._run(plan)
+    self._stage = "apply"
+    try:
+      self._apply_swaps_and_copies(plan)
+      self._stage = "run"
+      if plan.rows:
+        out, device_s = self._run(plan)
+    except batching.TableValidationError:
+      raise   # a bookkeeping bug: never papered over
+    except Exception as e:   # noqa: BLE001 - any failure of the device work is recoverable
+      outputs += self._recover(plan, e)
+      self.stats.host_s += time.perf_counter() - t0
+      return outputs
+    alone = {id(r.group): r.group for r in plan.rows}
+    if len(alone) == 1:   # a suspect that ran a step of its own is cleared
+      g = next(iter(alone.values()))
+      g.suspect, g.failures = False, 0
     now = time.perf_counter()
     groups = self.scheduler.update(plan, out) if out is not None else []
     for g in groups:
@@ -240,13 +312,68 @@ class Engine:
         final[out.request_id] = out
     return [final[i] for i in ids]
 
+  # ------------------------------------------------------------------------------ faults
+
+  def _recover(self, plan: StepPlan, error: Exception) -> list[RequestOutput]:
+    """Undoes a failed step: requeues its requests (see `step`); returns those that failed."""
+    self.stats.failed_steps += 1
+    message = f"{type(error).__name__}: {error}"
+    logging.warning("step failed (%s); requeueing its requests", message)
+    affected = {id(r.group): r.group for r in plan.rows}
+    pool_lost = any(x.is_deleted() for x in jax.tree_util.tree_leaves(self.pool))
+    requeue = {}
+    if self._stage == "apply":   # swaps or copies may be half done: recompute who they touch
+      requeue = dict(affected)
+      for request_id, _ in plan.swap_out + plan.swap_in:
+        if request_id not in self._swap:   # its host copy was never made, or was consumed
+          g = self.scheduler.find(request_id)
+          if g is not None:
+            requeue[id(g)] = g
+    if pool_lost:   # a donated pool died with the step: every page's contents are gone
+      requeue.update({id(g): g for g in self.scheduler.running})
+    alone = len(affected) == 1
+    failed = []
+    for key, g in {**affected, **requeue}.items():
+      if key in affected:
+        g.suspect = True
+        if alone:
+          g.failures += 1
+          g.error = message
+      if key in requeue and g.failures < self.max_step_retries:
+        self._swap.pop(g.request_id, None)
+        if self.scheduler.requeue(g):
+          continue
+        g.error = (f"{message}; its {len(g.seqs)} sequences cannot be recomputed: they would "
+                   f"need more pages unshared than the pool's {self.num_pages - 1}")
+        g.failures = self.max_step_retries
+      if g.failures >= self.max_step_retries:
+        self._swap.pop(g.request_id, None)
+        self.scheduler.abort(g.request_id, FinishReason.ERROR)
+        g.finish_time = time.perf_counter()
+        del self._requests[g.request_id]
+        failed.append(self._output(g))
+        self.stats.failed_requests += 1
+    if pool_lost:
+      self.pool = self._new_pool()
+      self.bm.reset_prefix_cache()   # cached-idle pages lost their contents too
+      self.bm.drain_released()
+    return failed
+
   # ------------------------------------------------------------------------------ device work
 
   def _apply_swaps_and_copies(self, plan: StepPlan) -> None:
-    # Order matters: read swapped-out pages before anything reuses them, restore swapped-in
-    # pages, then copy (a copy may read a restored page), then the step writes.
+    # Order matters: read swapped-out pages before anything reuses them, scrub released pages,
+    # restore swapped-in pages, then copy (a copy may read a restored page), then the step
+    # writes.
     for request_id, pages in plan.swap_out:
       self._swap[request_id] = page_ops.read_pages(self.pool, pages)
+    if self.scrub_freed_pages:
+      released = self.bm.drain_released()
+      if released:
+        pages = np.full(batching.next_pow2(len(released)), NULL_PAGE, np.int32)
+        pages[:len(released)] = released
+        self.pool = page_ops.zero_pages(self.pool, jnp.asarray(pages))
+        self.stats.scrubbed_pages += len(released)
     for request_id, pages in plan.swap_in:
       k, v = self._swap.pop(request_id)
       self.pool = page_ops.write_pages(self.pool, jnp.asarray(pages, jnp.int32), jnp.asarray(k),
@@ -265,6 +392,7 @@ class Engine:
     num_logprobs = batching.next_pow2(top_n) if top_n else 0
     if plan.num_steps > 1:
       a = batching.build_decode_round(plan, self.bm, self.max_pages_per_seq)
+      self._validate(plan, a)
       state = step.DecodeState(a["tokens"], a["positions"], a["block_tables"], a["write_limit"])
       inputs = jax.device_put((state, a["sampling"]))   # one transfer for every array
       kw = dict(cfg=self.cfg, num_steps=plan.num_steps, impl=self.impl,
@@ -272,6 +400,7 @@ class Engine:
       fn = self.steps.multi_step_decode
     else:
       a = batching.build_step(plan, self.bm, self.max_pages_per_seq)
+      self._validate(plan, a)
       md = AttentionMetadata(a["block_tables"], a["seq_lens"], a["cu_q_lens"], a["slots"],
                              max_q_len=a["max_q_len"], num_decode=a["num_decode"])
       batch = step.Batch(a["tokens"], a["positions"], md, a["logits_indices"])
@@ -287,6 +416,12 @@ class Engine:
     if plan.num_steps == 1:   # [S] -> [1, S]: one layout for both kinds of step
       host = {k: v[None] for k, v in host.items()}
     return host, device_s
+
+  def _validate(self, plan: StepPlan, arrays: dict) -> None:
+    if self.validate_tables:
+      t = time.perf_counter()
+      batching.validate_step(plan, arrays, self.bm)
+      self.stats.validate_s += time.perf_counter() - t
 
   def _count(self, plan: StepPlan, device_s: float, host_s: float) -> None:
     s, ss = self.stats, self.scheduler.stats
@@ -334,8 +469,10 @@ class Engine:
     longest = max((len(c.token_ids) for c in completions), default=0)
     if g.finish_time is not None and g.first_token_time is not None and longest > 1:
       tpot = (g.finish_time - g.first_token_time) / (longest - 1)
+    error = g.error if any(c.finish_reason == "error" for c in completions) else None
     return RequestOutput(g.request_id, list(g.prompt), completions, g.is_finished,
-                         g.arrival_time, ttft, tpot, g.finish_time)
+                         g.arrival_time, ttft, tpot, g.finish_time,
+                         num_cached_tokens=g.num_cached_tokens, error=error)
 
   # ------------------------------------------------------------------------------ metrics
 

@@ -1,4 +1,4 @@
-"""Pure device functions for the copies the block manager asks for: copy-on-write and swap.
+"""Pure device functions for what the block manager asks of the pool: copy-on-write, swap, scrub.
 
 `copy_pages` is jitted with the pool donated. Pad `src`/`dst` with NULL_PAGE -> NULL_PAGE pairs
 to a few bucket sizes so it compiles once per bucket (a NULL_PAGE self-copy is harmless).
@@ -78,3 +78,16 @@ def write_pages(pool: KVPool, pages: jax.Array, k: jax.Array, v: jax.Array) -> K
                      f"{pool.num_layers} layers of {pool.k[0].shape}: expected {want}")
   return pool.replace(k=tuple(x.at[pages].set(k[i].astype(pool.dtype)) for i, x in enumerate(pool.k)),
                       v=tuple(x.at[pages].set(v[i].astype(pool.dtype)) for i, x in enumerate(pool.v)))
+
+
+@functools.partial(jax.jit, donate_argnames=("pool",))
+def zero_pages(pool: KVPool, pages: jax.Array) -> KVPool:
+  """Scrubs pages: K and V of `pages` become zeros in every layer (the engine's
+  `scrub_freed_pages`). Pad `pages` with NULL_PAGE (zeroing it is harmless).
+
+  Args:
+    pool: KVPool; donated.
+    pages: i32[n].
+  """
+  return pool.replace(k=tuple(x.at[pages].set(0) for x in pool.k),
+                      v=tuple(x.at[pages].set(0) for x in pool.v))

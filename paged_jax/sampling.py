@@ -50,7 +50,25 @@ class SamplingParams:
   logprobs: int = 0
 
   def __post_init__(self):
-    stop = tuple(self.stop_token_ids)
+    for name in ("max_tokens", "top_k", "n", "beam_width", "logprobs"):
+      value = getattr(self, name)
+      if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name}={value!r} must be an int")
+    for name in ("temperature", "top_p", "length_penalty"):
+      value = getattr(self, name)
+      if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
+                                                                        np.floating)):
+        raise ValueError(f"{name}={value!r} must be a number")
+    if self.seed is not None and (isinstance(self.seed, (bool, np.bool_))
+                                  or not isinstance(self.seed, (int, np.integer))):
+      raise ValueError(f"seed={self.seed!r} must be an int or None")
+    if not isinstance(self.ignore_eos, (bool, np.bool_)):
+      raise ValueError(f"ignore_eos={self.ignore_eos!r} must be a bool")
+    try:
+      stop = tuple(self.stop_token_ids)
+    except TypeError:
+      raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be a sequence of token "
+                       f"ids") from None
     bad = [t for t in stop if isinstance(t, bool) or not isinstance(t, (int, np.integer))]
     if bad:
       raise ValueError(f"stop_token_ids={stop} must be token ids (ints); got {bad[:3]}")
@@ -61,6 +79,8 @@ class SamplingParams:
          f"temperature={self.temperature} must be a finite number >= 0"),
         (self.top_k >= 0, f"top_k={self.top_k} must be >= 0 (0 = off)"),
         (0 < self.top_p <= 1, f"top_p={self.top_p} must be in (0, 1]"),
+        (np.isfinite(self.length_penalty),
+         f"length_penalty={self.length_penalty} must be finite"),
         (self.n >= 1, f"n={self.n} must be >= 1"),
         (self.beam_width >= 1, f"beam_width={self.beam_width} must be >= 1"),
         (self.logprobs >= 0, f"logprobs={self.logprobs} must be >= 0"),

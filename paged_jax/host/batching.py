@@ -181,3 +181,93 @@ def pad_copy_pairs(pairs: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.nda
   if pairs:
     src[:len(pairs)], dst[:len(pairs)] = zip(*pairs)
   return src, dst
+
+
+class TableValidationError(RuntimeError):
+  """A step's arrays would read or write a page the row's sequence does not own."""
+
+
+def validate_step(plan: StepPlan, arrays: dict, bm: BlockManager) -> None:
+  """Checks a step's arrays against the block manager before they reach the device (cheap:
+  NumPy over the rows and their pages; the engine's `validate_tables` option).
+
+  Every real row's table is exactly its sequence's block table (then NULL_PAGE); every page it
+  references is in use (refcount >= 1, so owned by it or legitimately shared); page ids lie in
+  [0, num_pages); every slot a row writes is in a page of its own table that no other sequence
+  shares (refcount 1: a write into a shared page would be a missed copy-on-write); padding rows
+  reference only NULL_PAGE and padding tokens write only into it.
+
+  Args:
+    plan: the step's plan; arrays: what `build_step` (plan.num_steps == 1) or
+      `build_decode_round` made of it.
+
+  Raises:
+    TableValidationError naming the row, sequence and page.
+  """
+  ps, num_pages = bm.page_size, bm.num_pages
+  tables = arrays["block_tables"]
+  if tables.dtype != np.int32:
+    raise TableValidationError(f"block_tables has dtype {tables.dtype}, not int32")
+  bad = (tables < 0) | (tables >= num_pages)
+  if bad.any():
+    r, j = map(int, np.argwhere(bad)[0])
+    raise TableValidationError(f"block_tables[{r}, {j}]={tables[r, j]} is outside "
+                               f"[0, num_pages={num_pages})")
+  refs = np.asarray(bm._refs)   # read-only view of the manager's refcounts
+  if plan.num_steps == 1:
+    num_decode = arrays["num_decode"]
+    index = [i for i in range(len(plan.decode_rows))]
+    index += [num_decode + j for j in range(len(plan.prefill_rows))]
+    rows = plan.decode_rows + plan.prefill_rows
+    cu, slots = arrays["cu_q_lens"], arrays["slots"]
+    writes = [(slots[cu[i]:cu[i + 1]], i) for i in index]
+    token_owner = np.full(slots.shape[0], -1)
+    for i in index:
+      token_owner[cu[i]:cu[i + 1]] = i
+    padding_pages = slots[token_owner < 0] // ps
+  else:
+    index, rows = list(range(len(plan.rows))), plan.rows
+    positions, limits = arrays["positions"], arrays["write_limit"]
+    writes = []
+    for i, r in enumerate(rows):
+      pos = np.arange(positions[i], min(positions[i] + plan.num_steps, limits[i]))
+      table = tables[i]
+      if pos.size and pos[-1] // ps >= table.shape[0]:
+        raise TableValidationError(f"row {i} (sequence {r.seq.seq_id}) writes position "
+                                   f"{pos[-1]} past its table of {table.shape[0]} columns")
+      writes.append((table[pos // ps] * ps + pos % ps, i))
+    padding_pages = np.zeros(0, np.int64)
+    if (limits[len(rows):] != 0).any():
+      raise TableValidationError("a padding row of the decode round has a write limit")
+  if (padding_pages != NULL_PAGE).any():
+    raise TableValidationError(f"a padding token writes into page {int(padding_pages[padding_pages != NULL_PAGE][0])}, "
+                               f"not NULL_PAGE")
+  real = np.zeros(tables.shape[0], bool)
+  real[index] = True
+  if (tables[~real] != NULL_PAGE).any():
+    r = int(np.flatnonzero(~real & (tables != NULL_PAGE).any(axis=1))[0])
+    raise TableValidationError(f"padding row {r} references page(s) "
+                               f"{sorted(set(tables[r].tolist()) - {NULL_PAGE})}")
+  for i, r in zip(index, rows):
+    sid = r.seq.seq_id
+    own = bm.block_table(sid)
+    n = len(own)
+    if tables[i, :n].tolist() != list(own) or (tables[i, n:] != NULL_PAGE).any():
+      raise TableValidationError(f"row {i}: the block table sent {tables[i, :n + 1].tolist()}... "
+                                 f"is not sequence {sid}'s {list(own)}")
+    if n and (refs[list(own)] < 1).any():
+      p = next(p for p in own if refs[p] < 1)
+      raise TableValidationError(f"row {i}: sequence {sid} references page {p}, which is not "
+                                 f"in use (refcount {refs[p]})")
+  for row_slots, i in writes:
+    pages = np.unique(row_slots // ps)
+    own = set(tables[i].tolist())
+    foreign = [int(p) for p in pages if p not in own or p == NULL_PAGE]
+    if foreign:
+      raise TableValidationError(f"row {i} (sequence {rows[index.index(i)].seq.seq_id}) writes "
+                                 f"into page {foreign[0]}, outside its block table")
+    shared = [int(p) for p in pages if refs[p] != 1]
+    if shared:
+      raise TableValidationError(f"row {i} (sequence {rows[index.index(i)].seq.seq_id}) writes "
+                                 f"into page {shared[0]}, which has refcount {refs[shared[0]]} "
+                                 f"(a write into a shared page: a missed copy-on-write)")

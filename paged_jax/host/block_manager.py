@@ -49,6 +49,23 @@ def page_hash(parent: bytes | None, token_ids: Sequence[int], extra_keys: tuple 
   return h.digest()
 
 
+_MAX_TOKEN_ID = 2 ** 63   # page hashes serialize ids as int64
+
+
+def check_token_ids(token_ids: Sequence[int], what: str) -> list[int]:
+  """The ids as Python ints; ValueError naming the first that is not an int in [0, 2**63)
+  (a float is refused, not truncated)."""
+  out = []
+  for t in token_ids:
+    if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+      raise ValueError(f"{what}: token id {t!r} is not an int")
+    t = int(t)
+    if not 0 <= t < _MAX_TOKEN_ID:
+      raise ValueError(f"{what}: token id {t} is outside [0, 2**63)")
+    out.append(t)
+  return out
+
+
 class SeqStatus(enum.Enum):
   RUNNING = "running"      # holds pages
   SWAPPED = "swapped"      # pages copied to host memory and freed
@@ -108,9 +125,12 @@ class BlockManager:
     num_pages: pages in the pool, NULL_PAGE included (num_pages - 1 are usable).
     page_size: tokens per page.
     enable_prefix_caching: look up and register full pages by chained hash.
+    track_released: remember every page that leaves its owners (to the free list, or evicted
+      from the prefix cache for reuse) until `drain_released()`; the engine scrubs them.
   """
 
-  def __init__(self, num_pages: int, page_size: int, *, enable_prefix_caching: bool = True):
+  def __init__(self, num_pages: int, page_size: int, *, enable_prefix_caching: bool = True,
+               track_released: bool = False):
     if num_pages < 2:
       raise ValueError(f"num_pages={num_pages} must be >= 2 (page 0 is NULL_PAGE)")
     if page_size < 1:
@@ -126,6 +146,8 @@ class BlockManager:
     self._seqs: dict[Hashable, _Seq] = {}
     self.prefix_queries_tokens = 0
     self.prefix_hits_tokens = 0
+    self.track_released = track_released
+    self._released: list[int] = []
 
   # ----------------------------------------------------------------------------- queries
 
@@ -193,7 +215,7 @@ class BlockManager:
       adapter_id, cache_salt = seq.adapter_id, seq.cache_salt
     elif seq_id in self._seqs:
       raise ValueError(f"sequence {seq_id!r} is already admitted")
-    token_ids = [int(t) for t in token_ids]
+    token_ids = check_token_ids(token_ids, f"sequence {seq_id!r}")
     if not token_ids:
       raise ValueError(f"sequence {seq_id!r}: a prompt needs at least one token")
     probe = _Seq(0, [], 0, adapter_id, cache_salt)
@@ -251,6 +273,7 @@ class BlockManager:
 
     Returns the copy-on-write pairs and new pages, or None (nothing changed) if out of pages.
     """
+    token_ids = check_token_ids(token_ids, f"sequence {seq_id!r}")
     growth = self.reserve(seq_id, len(token_ids))
     if growth is not None:
       self._add_tokens(self._seqs[seq_id], token_ids)
@@ -365,7 +388,15 @@ class BlockManager:
     self._hash_to_page.clear()
     self._page_to_hash.clear()
     self._free.extend(self._idle)
+    if self.track_released:
+      self._released.extend(self._idle)
     self._idle.clear()
+
+  def drain_released(self) -> list[int]:
+    """Pages released since the last call (with track_released): freed, or cached pages
+    evicted for reuse. A page may be in use again already; its new owner writes it later."""
+    out, self._released = self._released, []
+    return out
 
   # ----------------------------------------------------------------------------- metrics
 
@@ -479,6 +510,8 @@ class BlockManager:
       else:
         p, _ = self._idle.popitem(last=False)
         del self._hash_to_page[self._page_to_hash.pop(p)]
+        if self.track_released:
+          self._released.append(p)
       self._refs[p] = 1
       pages.append(p)
     return pages
@@ -495,6 +528,8 @@ class BlockManager:
         self._idle[page] = None   # most recently used end
       else:
         self._free.append(page)
+        if self.track_released:
+          self._released.append(page)
 
   def _release(self, block_table: Iterable[int]) -> None:
     # Last page first: within one sequence the longest prefix (least reusable) is evicted first.

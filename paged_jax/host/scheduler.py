@@ -179,22 +179,59 @@ class Scheduler:
   def add(self, group: SequenceGroup) -> None:
     self.waiting.append(group)
 
-  def abort(self, request_id: str) -> SequenceGroup | None:
-    """Removes a request wherever it is and frees its pages; returns it (None if unknown)."""
-    for queue in (self.waiting, self.running, self.swapped):
-      for g in queue:
-        if g.request_id == request_id:
-          queue.remove(g)
-          for seq in list(g.seqs):
-            if seq.seq_id in self.bm:
-              self.bm.free(seq.seq_id)
-            seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.ABORT
-            g.finished.append(seq)
-          g.seqs = []
-          g.aborted = True
-          self.swap_pages_used -= self._swap_pages.pop(request_id, 0)
-          return g
+  def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT
+            ) -> SequenceGroup | None:
+    """Removes a request wherever it is and frees its pages; returns it (None if unknown).
+    Its live sequences finish with `reason` (ABORT, or ERROR for a request that keeps failing)."""
+    g = self.find(request_id)
+    if g is None:
+      return None
+    self._detach(g)
+    for seq in list(g.seqs):
+      seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+      g.finished.append(seq)
+    g.seqs = []
+    g.aborted = reason is FinishReason.ABORT
+    return g
+
+  def find(self, request_id: str) -> SequenceGroup | None:
+    for g in self.groups():
+      if g.request_id == request_id:
+        return g
     return None
+
+  def requeue(self, g: SequenceGroup) -> bool:
+    """Puts a request back at the head of the waiting queue holding no pages (its tokens kept,
+    so it is recomputed): what the engine does with the requests of a step that failed.
+
+    Returns False (changing nothing) if its sequences could never be admitted again: they are
+    admitted each with its own pages (shared pages come back only through the prefix cache),
+    which for several long samples or beams may exceed the pool.
+    """
+    need = sum(pages_needed(len(s.tokens) + 1, self.bm.page_size) for s in g.seqs)
+    if need > self.bm.num_pages - 1:
+      return False
+    self._detach(g)
+    for s in g.seqs:
+      s.status = SequenceStatus.WAITING
+    self._to_waiting(g)
+    return True
+
+  def _detach(self, g: SequenceGroup) -> None:
+    """Takes g out of its queue and frees every page (and swap slot) it holds."""
+    for queue in (self.waiting, self.running, self.swapped):
+      if g in queue:
+        queue.remove(g)
+    for seq in g.seqs:
+      if seq.seq_id in self.bm:
+        self.bm.free(seq.seq_id)
+    self.swap_pages_used -= self._swap_pages.pop(g.request_id, 0)
+
+  def _to_waiting(self, g: SequenceGroup) -> None:
+    """Preempted (or requeued) requests wait ahead of fresh ones, by admission order."""
+    waiting = sorted([g] + [w for w in self.waiting if w.order is not None], key=lambda w: w.order)
+    fresh = [w for w in self.waiting if w.order is None]
+    self.waiting = collections.deque(waiting + fresh)
 
   # ----------------------------------------------------------------------------- schedule
 
@@ -203,13 +240,19 @@ class Scheduler:
     cfg = self.config
     budget = cfg.max_num_batched_tokens
     self._pending: list[tuple[int, int, int]] = []   # (seq_id, src, dst) copy-on-write pairs
-    multi = self._can_run_multi_step()
+    # A request in a step that failed runs alone (the oldest such first) until a step of its
+    # own succeeds: the others wait, untouched (see Engine.step on faults).
+    focus = next((g for g in self.running if g.suspect), None)
+    multi = focus is None and self._can_run_multi_step()
     k = cfg.steps_per_sync if multi else 1
 
     # 1. Decode rows, oldest request first. Growth may preempt the newest request.
     i = 0
     while i < len(self.running):
       g = self.running[i]
+      if focus is not None and g is not focus:
+        i += 1
+        continue
       decoding = [s for s in g.seqs if not self._in_prefill(s)]
       if g.params.use_beam_search and len(decoding) < len(g.seqs):
         decoding = []   # beams advance together: wait until every beam is recomputed
@@ -222,7 +265,10 @@ class Scheduler:
         budget -= 1
       i += 1
 
-    if not multi:
+    if focus is not None:
+      if focus in self.running:
+        self._prefill_running(plan, budget, only=focus)
+    elif not multi:
       if not plan.preempted:
         budget = self._swap_in(plan, budget)
       budget = self._prefill_running(plan, budget)
@@ -306,10 +352,7 @@ class Scheduler:
       for s in g.seqs:
         self.bm.preempt_recompute(s.seq_id)
         s.status = SequenceStatus.WAITING
-      waiting = sorted([g] + [w for w in self.waiting if w.order is not None],
-                       key=lambda w: w.order)
-      fresh = [w for w in self.waiting if w.order is None]
-      self.waiting = collections.deque(waiting + fresh)   # preempted requests go first
+      self._to_waiting(g)
 
   def _swap_in(self, plan: StepPlan, budget: int) -> int:
     while self.swapped:
@@ -331,12 +374,16 @@ class Scheduler:
       grown = self._grow(g, g.seqs, 1, plan)
       assert grown, "a swap-in reserved a page per sequence: growing by one token must fit"
       for s in g.seqs:
-        plan.rows.append(Row(g, s, len(s.tokens) - 1, len(s.tokens), 1, True, len(s.tokens)))
+        plan.rows.append(Row(g, s, len(s.tokens) - 1, len(s.tokens), self._samples_when_done(g, s),
+                             True, len(s.tokens)))
         budget -= 1
     return budget
 
-  def _prefill_running(self, plan: StepPlan, budget: int) -> int:
+  def _prefill_running(self, plan: StepPlan, budget: int,
+                       only: SequenceGroup | None = None) -> int:
     for g in list(self.running):
+      if only is not None and g is not only:
+        continue
       for s in g.seqs:
         if budget <= 0 or not self._in_prefill(s):
           continue
@@ -361,6 +408,8 @@ class Scheduler:
     watermark = int(cfg.watermark * (self.bm.num_pages - 1))
     while self.waiting and budget > 0:
       g = self.waiting[0]
+      if g.suspect and self.running:
+        break   # a request whose step failed runs alone (see Engine: fault handling)
       if self.num_running_seqs() + g.max_seqs > cfg.max_num_seqs:
         break
       need = sum(pages_needed(len(s.tokens), self.bm.page_size) for s in g.seqs)
@@ -369,7 +418,7 @@ class Scheduler:
       admitted = []
       for s in g.seqs:
         resume = s.seq_id in self.bm
-        adm = self.bm.admit(s.seq_id, s.tokens, resume=resume)
+        adm = self.bm.admit(s.seq_id, s.tokens, resume=resume, cache_salt=g.cache_salt)
         if adm is None:
           break
         admitted.append((s, resume, adm))
@@ -384,6 +433,8 @@ class Scheduler:
           self.stats.recomputed_tokens += len(s.tokens) - adm.num_cached_tokens
         else:
           self.stats.cached_prompt_tokens += adm.num_cached_tokens
+          if g.order is None:
+            g.num_cached_tokens += adm.num_cached_tokens
       if g.order is None:
         g.order = self._next_order
         self._next_order += 1

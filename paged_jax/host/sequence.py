@@ -27,6 +27,7 @@ class FinishReason(str, enum.Enum):
   STOP = "stop"        # EOS or a stop token (kept in the output)
   LENGTH = "length"    # max_tokens reached
   ABORT = "abort"      # Engine.abort
+  ERROR = "error"      # its steps kept failing (the group's `error` says why); see Engine
 
 
 @dataclasses.dataclass(eq=False)
@@ -90,6 +91,10 @@ class SequenceGroup:
     eos_token_ids: tokens that stop a completion unless params.ignore_eos.
     order: admission rank (first admission); the newest running group is the preemption victim.
     arrival_time / first_token_time / finish_time: wall clock (time.perf_counter()).
+    cache_salt: prefix-cache namespace: requests with different salts never share pages.
+    num_cached_tokens: prompt tokens its first admission found in the prefix cache.
+    suspect: a step it was part of failed; it runs alone until a step of its own succeeds.
+    failures: steps that failed while it ran alone; error: the last failure's message.
   """
   request_id: str
   prompt: tuple[int, ...]
@@ -104,6 +109,11 @@ class SequenceGroup:
   first_token_time: float | None = None
   finish_time: float | None = None
   aborted: bool = False
+  cache_salt: str | None = None
+  num_cached_tokens: int = 0
+  suspect: bool = False
+  failures: int = 0
+  error: str | None = None
   num_reported: dict[int, int] = dataclasses.field(default_factory=dict)    # seq_id -> tokens
   text_reported: dict[int, str] = dataclasses.field(default_factory=dict)
 
@@ -147,7 +157,7 @@ class CompletionOutput:
     text / new_text: decoded `token_ids` / its new part, when the engine has a tokenizer.
     logprobs: logprob of each generated token; top_logprobs: {token: logprob} per token if asked.
     cumulative_logprob: their sum; score: the beam score (cumulative_logprob otherwise).
-    finish_reason: None while running; "stop", "length" or "abort".
+    finish_reason: None while running; "stop", "length", "abort" or "error".
   """
   index: int
   token_ids: list[int]
@@ -169,6 +179,8 @@ class RequestOutput:
     ttft: time to first token (s), from add_request to the first sampled token.
     tpot: time per output token after the first (s), over the longest completion; None until
       the request finishes or while it has one token.
+    num_cached_tokens: prompt tokens served by the prefix cache (of its own cache_salt only).
+    error: why it finished with reason "error", else None.
   """
   request_id: str
   prompt_token_ids: list[int]
@@ -178,3 +190,5 @@ class RequestOutput:
   ttft: float | None
   tpot: float | None
   finish_time: float | None
+  num_cached_tokens: int = 0
+  error: str | None = None

@@ -33,8 +33,8 @@ from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
 from pallas_kernels.paged_attention.merge import Summary, finalize, merge_along
-from pallas_kernels.paged_attention.reference import (check_static_args, padded_to_ragged,
-                                                      ragged_to_padded)
+from pallas_kernels.paged_attention.reference import (check_static_args, empty_result,
+                                                      padded_to_ragged, ragged_to_padded)
 
 NULL_PAGE = 0   # same convention as paged_jax.state (this package may not import it)
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -224,7 +224,10 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
   Returns:
     dtype[num_tokens, num_q_heads, head_dim] (and lse).
   """
-  check_static_args(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens)
+  check_static_args(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, max_q_len=max_q_len,
+                    sliding_window=sliding_window, soft_cap=soft_cap)
+  if q.shape[0] == 0:
+    return empty_result(q, return_lse)
   num_tokens, num_q_heads, head_dim = q.shape
   num_pages, page_size, num_kv_heads, _ = k_pages.shape
   num_seqs, max_pages_per_seq = block_tables.shape

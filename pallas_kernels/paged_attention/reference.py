@@ -20,16 +20,28 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def check_static_args(q, k, v, block_tables_or_none, kv_lens, cu_q_lens) -> None:
-  """Shape and dtype checks that cost nothing under jit (they read static shapes only).
+def check_static_args(q, k, v, block_tables_or_none, kv_lens, cu_q_lens, *,
+                      max_q_len: int | None = None, sliding_window: int | None = None,
+                      soft_cap: float | None = None) -> None:
+  """Shape, dtype and option checks that cost nothing under jit (they read static values only).
+
+  Where `cu_q_lens` is a concrete array (an eager call, not a trace), it also checks that no
+  row's q_len exceeds `max_q_len` (queries past the bound would be dropped silently).
 
   Raises:
     ValueError naming the offending values.
   """
+  if sliding_window is not None and sliding_window < 1:
+    raise ValueError(f"sliding_window={sliding_window} must be >= 1 (None: no window)")
+  if soft_cap is not None and not soft_cap > 0:
+    raise ValueError(f"soft_cap={soft_cap} must be > 0 (None: no capping)")
+  if max_q_len is not None and max_q_len < 1:
+    raise ValueError(f"max_q_len={max_q_len} must be >= 1")
   if q.ndim != 3:
     raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim]; got shape {q.shape}")
   if k.shape != v.shape:
@@ -54,6 +66,23 @@ def check_static_args(q, k, v, block_tables_or_none, kv_lens, cu_q_lens) -> None
   if block_tables_or_none is not None and block_tables_or_none.shape[0] != num_seqs:
     raise ValueError(f"block_tables has {block_tables_or_none.shape[0]} rows but kv_lens has "
                      f"{num_seqs}")
+  if max_q_len is not None and not isinstance(cu_q_lens, jax.core.Tracer):
+    check_max_q_len(np.asarray(cu_q_lens), max_q_len)
+
+
+def check_max_q_len(cu_q_lens: np.ndarray, max_q_len: int) -> None:
+  """Raises ValueError if a row of the (host) offsets is longer than the static bound."""
+  q_lens = np.diff(cu_q_lens)
+  if q_lens.size and q_lens.max() > max_q_len:
+    b = int(np.argmax(q_lens))
+    raise ValueError(f"sequence {b}: q_len={int(q_lens[b])} exceeds max_q_len={max_q_len} "
+                     f"(its queries past the bound would be dropped)")
+
+
+def empty_result(q, return_lse: bool = False):
+  """The output of attention over zero query tokens: [0, num_q_heads, head_dim] (and lse)."""
+  o = jnp.zeros(q.shape, q.dtype)
+  return (o, jnp.zeros(q.shape[:2], jnp.float32)) if return_lse else o
 
 
 def ragged_to_padded(q, cu_q_lens, kv_lens, max_q_len: int):
@@ -120,7 +149,10 @@ def dense_attention(q, k, v, cu_q_lens, kv_lens, *, scale: float | None = None,
   Returns:
     dtype[num_tokens, num_q_heads, head_dim]; a query that sees no key gets zeros.
   """
-  check_static_args(q, k, v, None, kv_lens, cu_q_lens)
+  check_static_args(q, k, v, None, kv_lens, cu_q_lens, max_q_len=max_q_len,
+                    sliding_window=sliding_window, soft_cap=soft_cap)
+  if q.shape[0] == 0:
+    return empty_result(q)
   num_tokens, num_q_heads, head_dim = q.shape
   num_seqs, max_kv_len, num_kv_heads, _ = k.shape
   group = num_q_heads // num_kv_heads
@@ -171,7 +203,8 @@ def paged_attention_reference(q, k_pages, v_pages, block_tables, seq_lens, cu_q_
   Returns:
     dtype[num_tokens, num_q_heads, head_dim].
   """
-  check_static_args(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens)
+  check_static_args(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, max_q_len=max_q_len,
+                    sliding_window=sliding_window, soft_cap=soft_cap)
   return dense_attention(q, gather_pages(k_pages, block_tables), gather_pages(v_pages, block_tables),
                          cu_q_lens, seq_lens, scale=scale, sliding_window=sliding_window,
                          soft_cap=soft_cap, max_q_len=max_q_len)

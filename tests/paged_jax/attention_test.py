@@ -315,6 +315,53 @@ class BadInputTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "num_q_heads=3"):
       attention.paged_attention(self.inp.q[:, :3], *self.inp[1:])
 
+  # The example: rows (q 5, kv 9) and (q 1, kv 4) with max_q_len=2 dropped three queries.
+  _SHORT_BOUND = dict(seq_lens=[9, 4], q_lens=[5, 1])
+
+  @parameterized.parameters("xla", "pallas")
+  def test_max_q_len_below_a_rows_q_len_is_refused(self, impl):
+    inp = testing.random_paged_inputs(1, **self._SHORT_BOUND, page_size=4)
+    kw = dict(interpret=True) if impl == "pallas" else {}
+    with self.assertRaisesRegex(ValueError, "sequence 0: q_len=5 exceeds max_q_len=2"):
+      attention.paged_attention(*inp, max_q_len=2, impl=impl, **kw)
+    with self.assertRaisesRegex(ValueError, "q_len=5 exceeds max_q_len=2"):
+      attention.validate_attention_inputs(*inp, max_q_len=2)
+    with self.assertRaisesRegex(ValueError, "q_len=5 exceeds max_q_len=2"):
+      attention.dense_attention(inp.q, inp.k_pages[inp.block_tables].reshape(2, -1, 2, 16),
+                                inp.v_pages[inp.block_tables].reshape(2, -1, 2, 16),
+                                inp.cu_q_lens, inp.seq_lens, max_q_len=2)
+    got = attention.paged_attention(*inp, max_q_len=5, impl=impl, **kw)   # the true bound works
+    chex.assert_trees_all_close(got, _reference(*inp, max_q_len=5), **TOL[jnp.float32])
+
+  @parameterized.named_parameters(
+      ("window_0", dict(sliding_window=0), "sliding_window=0 must be >= 1"),
+      ("window_negative", dict(sliding_window=-3), "sliding_window=-3 must be >= 1"),
+      ("cap_0", dict(soft_cap=0.0), r"soft_cap=0.0 must be > 0"),
+      ("cap_negative", dict(soft_cap=-1.0), r"soft_cap=-1.0 must be > 0"),
+      ("max_q_len_0", dict(max_q_len=0), "max_q_len=0 must be >= 1"),
+  )
+  def test_options_that_meant_nothing_are_refused(self, kw, message):
+    # Before: a window <= 0 gave zeros and soft_cap=0 uniform weights, silently.
+    for fn in (lambda: attention.paged_attention(*self.inp, impl="xla", **kw),
+               lambda: attention.paged_attention(*self.inp, impl="pallas", interpret=True, **kw),
+               lambda: attention.paged_attention_reference(*self.inp, **kw),
+               lambda: jax.jit(lambda *a: attention.paged_attention_xla(*a, **kw))(*self.inp)):
+      with self.assertRaisesRegex(ValueError, message):
+        fn()
+
+  @parameterized.parameters("xla", "pallas")
+  def test_zero_query_tokens(self, impl):
+    # A batch with no query tokens (every row q_len 0) returns an empty result on every path.
+    inp = self.inp._replace(q=self.inp.q[:0], cu_q_lens=jnp.zeros(3, jnp.int32))
+    attention.validate_attention_inputs(*inp)
+    kw = dict(interpret=True) if impl == "pallas" else {}
+    o, lse = attention.paged_attention(*inp, max_q_len=1, impl=impl, return_lse=True, **kw)
+    self.assertEqual((o.shape, lse.shape), ((0, 4, 16), (0, 4)))
+    k = jnp.zeros((0, 2, 16))
+    o = attention.step_attention(inp.q, k, k, *inp[1:], num_decode=0, max_q_len=1, impl="xla")
+    self.assertEqual(o.shape, (0, 4, 16))
+    self.assertEqual(attention.paged_attention_reference(*inp).shape, (0, 4, 16))
+
 
 if __name__ == "__main__":
   absltest.main()

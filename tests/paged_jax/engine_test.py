@@ -175,6 +175,19 @@ class RegressionTest(absltest.TestCase):
     self.assertNotEmpty(seen)
     finish(self, g.engine)
 
+  def test_swapped_before_its_first_sample_a_request_still_samples_n(self):
+    # Found by the isolation test (issue 10): a prompt sampled n times that was swapped out
+    # between its prefill and its first sample came back with one completion, not n.
+    e = make(num_pages=14, page_size=2, preemption_mode="swap", steps_per_sync=3,
+             max_num_batched_tokens=12, max_num_seqs=8)
+    params = [SamplingParams(max_tokens=10)] * 3 + [SamplingParams(max_tokens=10, n=2)]
+    prompts = PROMPTS[:3] + [[11, 12, 13, 14, 15, 16]]
+    outs = e.generate(prompts, params)
+    self.assertGreater(e.stats.swapped_in_pages, 0)
+    self.assertEqual([len(o.outputs) for o in outs], [1, 1, 1, 2])
+    self.assertEqual([c.token_ids for c in outs[3].outputs], [dense(prompts[3], 10)] * 2)
+    finish(self, e)
+
   def test_6d_several_eos_ids_all_stop(self):
     prompt = PROMPTS[0]
     ref = dense(prompt, 9)
