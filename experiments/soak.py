@@ -231,7 +231,7 @@ def run(cfg: SoakConfig) -> list[dict]:
 
 def main(_):
   cfg = SoakConfig(num_requests=_NUM_REQUESTS.value, seed=_SEED.value,
-                   fault_prob=_FAULT_PROB.value, progress=True)
+                   fault_prob=_FAULT_PROB.value, progress=_PROGRESS.value)
   for r in run(cfg):
     print(f"{r['preemption_mode']:>9}: {r['requests']} requests: {r['completed']} completed "
           f"({r['identical_to_unconstrained']} identical to the unconstrained run), "
@@ -247,6 +247,7 @@ if __name__ == "__main__":
   _NUM_REQUESTS = flags.DEFINE_integer("num_requests", SoakConfig.num_requests,
                                        "Requests (split over the two preemption modes).")
   _SEED = flags.DEFINE_integer("seed", SoakConfig.seed, "Seed of the workload and the faults.")
+  _PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar.")
   _FAULT_PROB = flags.DEFINE_float("fault_prob", SoakConfig.fault_prob,
                                    "Share of device steps that raise.")
   app.run(main)

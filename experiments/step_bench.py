@@ -107,7 +107,7 @@ if __name__ == "__main__":
   _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 128, "Prompt tokens.")
   _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 64, "Generated tokens per sequence.")
   _PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Tokens per page.")
-  _IMPL = flags.DEFINE_enum("impl", "auto", ["auto", "xla", "pallas"], "Attention path.")
+  _IMPL = flags.DEFINE_enum("impl", "auto", ["auto", "xla", "pallas", "interpret"], "Attention path.")
   _MODEL = flags.DEFINE_string("model", None, "HF-format model directory (default: random model).")
   _OUT = flags.DEFINE_string("out", "experiments/results/step_bench.jsonl", "JSONL to append to.")
   app.run(main)

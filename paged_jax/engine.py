@@ -86,7 +86,8 @@ class Engine:
     params, cfg: the model.
     cache: page size and pool size (or a memory budget to carve it from).
     scheduler: batching and preemption policy.
-    impl: attention path ("auto", "xla", "pallas").
+    impl: attention path ("auto", "xla", "pallas", or "interpret": the kernel in Pallas'
+      interpreter, for tests).
     seed: draws the seed of every request that brings none.
     tokenizer: a `tokenizers.Tokenizer`; outputs then carry text.
     eos_token_ids: the model's end-of-sequence ids (one or several).
@@ -318,7 +319,7 @@ class Engine:
     """Undoes a failed step: requeues its requests (see `step`); returns those that failed."""
     self.stats.failed_steps += 1
     message = f"{type(error).__name__}: {error}"
-    logging.warning("step failed (%s); requeueing its requests", message)
+    logging.warning("step failed (%s); its requests run alone until they succeed", message)
     affected = {id(r.group): r.group for r in plan.rows}
     pool_lost = any(x.is_deleted() for x in jax.tree_util.tree_leaves(self.pool))
     requeue = {}

@@ -34,7 +34,7 @@ class Generator:
     sampling: temperature / top-k / top-p / seed for every request (max_tokens and n come from
       `generate`); default greedy.
     preemption_mode: "recompute" or "swap".
-    impl: attention path ("auto", "xla", "pallas").
+    impl: attention path ("auto", "xla", "pallas", "interpret").
   """
 
   def __init__(self, params, cfg: ModelConfig, *, num_pages: int, page_size: int,

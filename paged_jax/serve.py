@@ -66,6 +66,8 @@ class ServeConfig:
   seed: int = 0
   warmup: bool = False
   progress: bool = True
+  validate_tables: bool = False
+  scrub_freed_pages: bool = False
 
 
 @dataclasses.dataclass
@@ -148,7 +150,8 @@ def make_engine(cfg: ServeConfig, params, mcfg, tokenizer, eos) -> Engine:
                           max_num_batched_tokens=cfg.max_num_batched_tokens,
                           steps_per_sync=cfg.steps_per_sync, preemption_mode=cfg.preemption_mode)
   return Engine(params, mcfg, cache=cache, scheduler=sched, impl=cfg.impl, seed=cfg.seed,
-                tokenizer=tokenizer, eos_token_ids=eos)
+                tokenizer=tokenizer, eos_token_ids=eos, validate_tables=cfg.validate_tables,
+                scrub_freed_pages=cfg.scrub_freed_pages)
 
 
 def serve(engine: Engine, requests: list[_Request], *, progress: bool = False):
@@ -205,7 +208,8 @@ def summarize(engine: Engine, requests: list[_Request], outs, seconds: float) ->
       "swapped_out_pages": m["swapped_out_pages"], "recomputed_tokens": m["recomputed_tokens"],
       "capacity_tokens": engine.capacity_tokens, "num_pages": engine.num_pages,
       "steps": m["steps"], "prefill_s": m["prefill_s"], "decode_s": m["decode_s"],
-      "host_s": m["host_s"],
+      "host_s": m["host_s"], "validate_s": m["validate_s"],
+      "scrubbed_pages": m["scrubbed_pages"],
   }
 
 
@@ -248,6 +252,9 @@ def report(r: dict) -> str:
       f"prefix-cache hit rate {100 * r['prefix_hit_rate']:.1f}%; "
       f"{r['preemptions']} preemptions",
   ]
+  if r["config"]["validate_tables"]:
+    lines.append(f"  table validation: {r['validate_s'] * 1e3:.1f} ms "
+                 f"({100 * r['validate_s'] / r['seconds']:.2f}% of the run)")
   if len(r["completions"]) <= 8:
     for c in r["completions"]:
       shown = c["text"] if c["text"] is not None else c["token_ids"]
@@ -269,7 +276,8 @@ def main(argv):
       kv_cache_fraction=f.kv_cache_fraction, max_num_seqs=f.max_num_seqs,
       max_num_batched_tokens=f.max_num_batched_tokens, steps_per_sync=f.steps_per_sync,
       preemption_mode=f.preemption_mode, enable_prefix_caching=f.enable_prefix_caching,
-      impl=f.impl, dtype=f.dtype, seed=f.seed, warmup=f.warmup, progress=f.progress)
+      impl=f.impl, dtype=f.dtype, seed=f.seed, warmup=f.warmup, progress=f.progress,
+      validate_tables=f.validate_tables, scrub_freed_pages=f.scrub_freed_pages)
   r = run(cfg)
   print(report(r))
   if f.json:
@@ -303,11 +311,14 @@ def define_flags():
   flags.DEFINE_integer("steps_per_sync", 4, "Decode steps per host sync.")
   flags.DEFINE_enum("preemption_mode", "recompute", ["recompute", "swap"], "Preemption.")
   flags.DEFINE_bool("enable_prefix_caching", True, "Share full pages by chained hash.")
-  flags.DEFINE_enum("impl", "auto", ["auto", "xla", "pallas"], "Attention path.")
+  flags.DEFINE_enum("impl", "auto", ["auto", "xla", "pallas", "interpret"], "Attention path.")
   flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter dtype.")
   flags.DEFINE_integer("seed", 0, "Workload and request seeds.")
   flags.DEFINE_bool("warmup", False, "Run the workload once first, so timing excludes compiling.")
   flags.DEFINE_bool("progress", True, "Show a progress bar.")
+  flags.DEFINE_bool("validate_tables", False, "Check every step's block tables and write slots "
+                    "against the block manager before the device runs it (its cost is reported).")
+  flags.DEFINE_bool("scrub_freed_pages", False, "Zero pages as they are freed.")
   flags.DEFINE_string("json", None, "Write the summary as JSON here.")
   flags.DEFINE_string("compilation_cache", DEFAULT_COMPILATION_CACHE,
                       "Directory for compiled programs, reused by later runs ('' = off).")

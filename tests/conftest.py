@@ -1,6 +1,23 @@
-"""Suite-wide settings: every Engine a test builds validates its step arrays against the block
-manager before each step (`Engine(validate_tables=None)` reads this variable)."""
+"""Suite-wide settings.
 
+- Every Engine a test builds validates its step arrays against the block manager before each step
+  (`Engine(validate_tables=None)` reads PAGED_JAX_VALIDATE_TABLES).
+- Compiled programs are released after each test module. Each XLA:CPU executable keeps a few
+  dozen memory mappings; the whole suite compiles thousands of programs and crossed the kernel's
+  vm.max_map_count (65,530), after which compiling aborted or segfaulted at random places.
+"""
+
+import gc
 import os
 
 os.environ.setdefault("PAGED_JAX_VALIDATE_TABLES", "1")
+
+import jax  # noqa: E402  (after the environment is set)
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+  yield
+  jax.clear_caches()
+  gc.collect()

@@ -189,13 +189,14 @@ class TableValidationError(RuntimeError):
 
 def validate_step(plan: StepPlan, arrays: dict, bm: BlockManager) -> None:
   """Checks a step's arrays against the block manager before they reach the device (cheap:
-  NumPy over the rows and their pages; the engine's `validate_tables` option).
+  vectorized NumPy over the rows; the engine's `validate_tables` option).
 
   Every real row's table is exactly its sequence's block table (then NULL_PAGE); every page it
-  references is in use (refcount >= 1, so owned by it or legitimately shared); page ids lie in
-  [0, num_pages); every slot a row writes is in a page of its own table that no other sequence
-  shares (refcount 1: a write into a shared page would be a missed copy-on-write); padding rows
-  reference only NULL_PAGE and padding tokens write only into it.
+  references is in use (refcount >= 1: owned by it, or legitimately shared); page ids lie in
+  [0, num_pages); every token a row writes goes to the slot its position has in the row's own
+  table, in a page no other sequence shares (refcount 1: a write into a shared page would be a
+  missed copy-on-write); padding rows reference only NULL_PAGE and padding tokens write only
+  into it.
 
   Args:
     plan: the step's plan; arrays: what `build_step` (plan.num_steps == 1) or
@@ -213,61 +214,71 @@ def validate_step(plan: StepPlan, arrays: dict, bm: BlockManager) -> None:
     r, j = map(int, np.argwhere(bad)[0])
     raise TableValidationError(f"block_tables[{r}, {j}]={tables[r, j]} is outside "
                                f"[0, num_pages={num_pages})")
-  refs = np.asarray(bm._refs)   # read-only view of the manager's refcounts
-  if plan.num_steps == 1:
-    num_decode = arrays["num_decode"]
-    index = [i for i in range(len(plan.decode_rows))]
-    index += [num_decode + j for j in range(len(plan.prefill_rows))]
-    rows = plan.decode_rows + plan.prefill_rows
-    cu, slots = arrays["cu_q_lens"], arrays["slots"]
-    writes = [(slots[cu[i]:cu[i + 1]], i) for i in index]
-    token_owner = np.full(slots.shape[0], -1)
-    for i in index:
-      token_owner[cu[i]:cu[i + 1]] = i
-    padding_pages = slots[token_owner < 0] // ps
+  single = plan.num_steps == 1
+  rows = plan.decode_rows + plan.prefill_rows if single else plan.rows
+  if single:
+    d = arrays["num_decode"]
+    index = np.array(list(range(len(plan.decode_rows))) +
+                     [d + j for j in range(len(plan.prefill_rows))], np.int64)
   else:
-    index, rows = list(range(len(plan.rows))), plan.rows
+    index = np.arange(len(rows))
+  expected = np.full_like(tables, NULL_PAGE)
+  for i, r in zip(index, rows):
+    own = bm.block_table(r.seq.seq_id)
+    if len(own) > tables.shape[1]:
+      raise TableValidationError(f"row {i}: sequence {r.seq.seq_id} has {len(own)} pages; the "
+                                 f"table has {tables.shape[1]} columns")
+    expected[i, :len(own)] = own
+  wrong = (tables != expected).any(axis=1)
+  if wrong.any():
+    i = int(np.flatnonzero(wrong)[0])
+    who = (f"sequence {rows[int(np.flatnonzero(index == i)[0])].seq.seq_id}'s"
+           if i in index else "a padding row's")
+    raise TableValidationError(f"row {i}: the block table sent {tables[i].tolist()} is not "
+                               f"{who} {expected[i].tolist()}")
+  used = np.unique(tables[tables != NULL_PAGE])
+  refs = dict(zip(used.tolist(), (bm.refcount(p) for p in used.tolist())))
+  idle = [p for p, n in refs.items() if n < 1]
+  if idle:
+    raise TableValidationError(f"page {idle[0]} is in a block table but not in use (refcount 0)")
+  # Writes: (row, position, slot) of every token written.
+  if single:
+    cu, slots, positions = arrays["cu_q_lens"], arrays["slots"], arrays["positions"]
+    q_lens = np.diff(cu)
+    owner = np.repeat(np.arange(q_lens.size), q_lens)
+    written = np.arange(owner.size)
+    pad_slots = slots[owner.size:]
+    if (pad_slots // ps != NULL_PAGE).any():
+      raise TableValidationError(f"a padding token writes into page "
+                                 f"{int(pad_slots[pad_slots // ps != NULL_PAGE][0] // ps)}, "
+                                 f"not NULL_PAGE")
+    real = np.isin(owner, index)
+    if (slots[written[~real]] // ps != NULL_PAGE).any():
+      raise TableValidationError("a padding row writes outside NULL_PAGE")
+    owner, pos, slot = owner[real], positions[written[real]], slots[written[real]]
+  else:
+    k = plan.num_steps
     positions, limits = arrays["positions"], arrays["write_limit"]
-    writes = []
-    for i, r in enumerate(rows):
-      pos = np.arange(positions[i], min(positions[i] + plan.num_steps, limits[i]))
-      table = tables[i]
-      if pos.size and pos[-1] // ps >= table.shape[0]:
-        raise TableValidationError(f"row {i} (sequence {r.seq.seq_id}) writes position "
-                                   f"{pos[-1]} past its table of {table.shape[0]} columns")
-      writes.append((table[pos // ps] * ps + pos % ps, i))
-    padding_pages = np.zeros(0, np.int64)
     if (limits[len(rows):] != 0).any():
       raise TableValidationError("a padding row of the decode round has a write limit")
-  if (padding_pages != NULL_PAGE).any():
-    raise TableValidationError(f"a padding token writes into page {int(padding_pages[padding_pages != NULL_PAGE][0])}, "
-                               f"not NULL_PAGE")
-  real = np.zeros(tables.shape[0], bool)
-  real[index] = True
-  if (tables[~real] != NULL_PAGE).any():
-    r = int(np.flatnonzero(~real & (tables != NULL_PAGE).any(axis=1))[0])
-    raise TableValidationError(f"padding row {r} references page(s) "
-                               f"{sorted(set(tables[r].tolist()) - {NULL_PAGE})}")
-  for i, r in zip(index, rows):
-    sid = r.seq.seq_id
-    own = bm.block_table(sid)
-    n = len(own)
-    if tables[i, :n].tolist() != list(own) or (tables[i, n:] != NULL_PAGE).any():
-      raise TableValidationError(f"row {i}: the block table sent {tables[i, :n + 1].tolist()}... "
-                                 f"is not sequence {sid}'s {list(own)}")
-    if n and (refs[list(own)] < 1).any():
-      p = next(p for p in own if refs[p] < 1)
-      raise TableValidationError(f"row {i}: sequence {sid} references page {p}, which is not "
-                                 f"in use (refcount {refs[p]})")
-  for row_slots, i in writes:
-    pages = np.unique(row_slots // ps)
-    own = set(tables[i].tolist())
-    foreign = [int(p) for p in pages if p not in own or p == NULL_PAGE]
-    if foreign:
-      raise TableValidationError(f"row {i} (sequence {rows[index.index(i)].seq.seq_id}) writes "
-                                 f"into page {foreign[0]}, outside its block table")
-    shared = [int(p) for p in pages if refs[p] != 1]
-    if shared:
-      raise TableValidationError(f"row {i} (sequence {rows[index.index(i)].seq.seq_id}) writes "
-                                 f"into page {shared[0]}, which has refcount {refs[shared[0]]} "
+    pos = positions[:, None] + np.arange(k)[None, :]
+    valid = pos < limits[:, None]
+    owner, pos = np.nonzero(valid)[0], pos[valid]
+    slot = None
+  col = pos // ps
+  if (col >= tables.shape[1]).any():
+    i = int(owner[col >= tables.shape[1]][0])
+    raise TableValidationError(f"row {i} writes past its table of {tables.shape[1]} columns")
+  page = tables[owner, col]
+  target = page * ps + pos % ps
+  bad = (page == NULL_PAGE) if slot is None else (page == NULL_PAGE) | (slot != target)
+  if bad.any():
+    i = int(owner[bad][0])
+    raise TableValidationError(f"row {i} writes position {int(pos[bad][0])} outside its block "
+                               f"table's pages (slot {None if slot is None else int(slot[bad][0])}"
+                               f", its page {int(page[bad][0])})")
+  for p in np.unique(page).tolist():
+    if refs[p] != 1:
+      i = int(owner[page == p][0])
+      raise TableValidationError(f"row {i} writes into page {p}, which has refcount {refs[p]} "
                                  f"(a write into a shared page: a missed copy-on-write)")

@@ -115,7 +115,7 @@ class StepPlan:
     return sum(r.num_samples for r in self.rows)
 
   def __bool__(self) -> bool:
-    return bool(self.rows or self.swap_out or self.swap_in)
+    return bool(self.rows or self.swap_out or self.swap_in or self.preempted)
 
 
 @dataclasses.dataclass
@@ -152,6 +152,13 @@ class Scheduler:
     self._next_order = 0
 
   # ----------------------------------------------------------------------------- queries
+
+  def check_swap_accounting(self) -> None:
+    """Raises AssertionError unless the swap space in use is exactly what swapped requests hold."""
+    held = {g.request_id for g in self.swapped}
+    assert set(self._swap_pages) == held, (sorted(self._swap_pages), sorted(held))
+    assert self.swap_pages_used == sum(self._swap_pages.values()), (
+        self.swap_pages_used, self._swap_pages)
 
   def has_unfinished(self) -> bool:
     return bool(self.waiting or self.running or self.swapped)
@@ -204,12 +211,13 @@ class Scheduler:
     """Puts a request back at the head of the waiting queue holding no pages (its tokens kept,
     so it is recomputed): what the engine does with the requests of a step that failed.
 
-    Returns False (changing nothing) if its sequences could never be admitted again: they are
-    admitted each with its own pages (shared pages come back only through the prefix cache),
-    which for several long samples or beams may exceed the pool.
+    Returns False (changing nothing) if its sequences might not fit again: they are admitted
+    each with its own pages (shared pages come back only through the prefix cache), which for
+    several long samples or beams may exceed the pool at their longest.
     """
-    need = sum(pages_needed(len(s.tokens) + 1, self.bm.page_size) for s in g.seqs)
-    if need > self.bm.num_pages - 1:
+    longest = len(g.prompt) + g.params.max_tokens - 1
+    need = len(g.seqs) * pages_needed(longest, self.bm.page_size)   # unshared, at their longest
+    if len(g.seqs) > 1 and need > self.bm.num_pages - 1:
       return False
     self._detach(g)
     for s in g.seqs:
@@ -359,8 +367,13 @@ class Scheduler:
       g = self.swapped[0]
       n = self._swap_pages[g.request_id]
       rows_ok = self.num_running_seqs() + g.max_seqs <= self.config.max_num_seqs
-      # Room for the pages and for one new page per sequence, so it can decode at once.
-      if not rows_ok or len(g.seqs) > budget or n + len(g.seqs) > self.bm.num_free_pages:
+      # Room for the pages and for one new page per sequence, so it can decode at once; with
+      # nothing else running, room for the pages is enough (a request that fills the whole pool
+      # at its longest could otherwise never come back: add_request bounds its pages by the
+      # pool, so it can always grow alone).
+      free = self.bm.num_free_pages
+      room = n + len(g.seqs) <= free or (not self.running and n <= free)
+      if not rows_ok or len(g.seqs) > budget or not room:
         break
       back = self.bm.swap_in([s.seq_id for s in g.seqs])
       assert back is not None
@@ -372,7 +385,7 @@ class Scheduler:
         s.status = SequenceStatus.DECODE
       self._insert(self.running, g)
       grown = self._grow(g, g.seqs, 1, plan)
-      assert grown, "a swap-in reserved a page per sequence: growing by one token must fit"
+      assert grown, "a swap-in has a page per sequence, or runs alone: growing by one token fits"
       for s in g.seqs:
         plan.rows.append(Row(g, s, len(s.tokens) - 1, len(s.tokens), self._samples_when_done(g, s),
                              True, len(s.tokens)))

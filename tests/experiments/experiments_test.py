@@ -4,7 +4,7 @@ from absl.testing import absltest
 import numpy as np
 
 from experiments import (allocator_waste, attention_bench, block_manager_bench, copy_eval, demo,
-                         profile_step, serve_bench, step_bench, train_copy_model)
+                         ondevice_bench, profile_step, serve_bench, step_bench, train_copy_model)
 
 
 class ExperimentsTest(absltest.TestCase):
@@ -120,6 +120,15 @@ class ExperimentsTest(absltest.TestCase):
     for kind in ("prefill", "decode"):
       for part in ("attention", "mlp", "q/k/v/o projections", "kv write", "sampling"):
         self.assertGreater(r[kind].get(part, 0), 0, (kind, part, r[kind]))
+
+  def test_ondevice_bench(self):
+    r = ondevice_bench.run(ondevice_bench.OnDeviceBenchConfig(
+        preset="tiny", num_requests=4, new_tokens=8, repetitions=1, results=None),
+        progress=lambda _: None)
+    self.assertTrue(r["identical"])   # same greedy tokens from both allocators
+    self.assertEqual(r["engines"]["on_device"]["host_syncs"], 1)
+    self.assertGreater(r["engines"]["engine"]["host_syncs"], 1)
+    self.assertGreater(r["engines"]["on_device"]["tokens_per_s"], 0)
 
   def test_copy_task_data(self):
     rng = np.random.default_rng(0)
