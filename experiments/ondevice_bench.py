@@ -4,6 +4,7 @@ workload, in one process, alternating, median of the repetitions, compiling excl
 
   python -m experiments.ondevice_bench                    # small preset, 32 requests
   python -m experiments.ondevice_bench --preset=tiny --num_requests=8
+  python -m experiments.ondevice_bench --steps_per_sync=1    # the engine syncing every step
 
 Both run the same random-init model (the serve benchmark's preset shapes, vocabulary 512), greedy,
 `new_tokens` tokens per request, no EOS, with the pool large enough for everything (the on-device
@@ -125,7 +126,8 @@ def report(r: dict) -> str:
 
 def main(_):
   cfg = OnDeviceBenchConfig(preset=_PRESET.value, num_requests=_NUM_REQUESTS.value,
-                            new_tokens=_NEW_TOKENS.value, repetitions=_REPETITIONS.value)
+                            new_tokens=_NEW_TOKENS.value, repetitions=_REPETITIONS.value,
+                            steps_per_sync=_STEPS_PER_SYNC.value)
   print(report(run(cfg)))
 
 
@@ -134,4 +136,6 @@ if __name__ == "__main__":
   _NUM_REQUESTS = flags.DEFINE_integer("num_requests", 32, "Requests.")
   _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 64, "Tokens per request.")
   _REPETITIONS = flags.DEFINE_integer("repetitions", 3, "Alternating repetitions (median).")
+  _STEPS_PER_SYNC = flags.DEFINE_integer("steps_per_sync", 16, "The engine's k (decode steps "
+                                         "per host sync).")
   app.run(main)
