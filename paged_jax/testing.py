@@ -150,6 +150,20 @@ def random_params(cfg, seed: int = 0, scale: float = 0.1):
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
+class DenseGreedy:
+  """`dense_greedy` for one model, memoized per (prompt, max_new_tokens): tests compare many
+  engine runs against the same few references."""
+
+  def __init__(self, params, cfg):
+    self.params, self.cfg, self._cache = params, cfg, {}
+
+  def __call__(self, prompt, max_new_tokens: int) -> list[int]:
+    key = (tuple(prompt), max_new_tokens)
+    if key not in self._cache:
+      self._cache[key] = dense_greedy(self.params, self.cfg, prompt, max_new_tokens)
+    return self._cache[key]
+
+
 def dense_greedy(params, cfg, prompt, max_new_tokens: int) -> list[int]:
   """Greedy decoding with a dense contiguous cache (model.DenseKV): the reference for the paged
   steps. Prefill in one call, then one token per call."""

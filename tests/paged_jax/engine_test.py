@@ -15,14 +15,7 @@ from paged_jax.sampling import SamplingParams
 CFG = config.tiny_config()
 PARAMS = testing.random_params(CFG, seed=0, scale=0.3)
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [3, 1, 4, 1, 5, 9, 2, 6, 5], [42], [5, 6, 7, 8, 9, 10, 11]]
-_REF = {}
-
-
-def dense(prompt, new):
-  key = (tuple(prompt), new)
-  if key not in _REF:
-    _REF[key] = testing.dense_greedy(PARAMS, CFG, prompt, new)
-  return _REF[key]
+dense = testing.DenseGreedy(PARAMS, CFG)
 
 
 def make(num_pages=80, page_size=4, caching=True, **sched):

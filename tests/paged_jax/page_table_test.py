@@ -8,7 +8,7 @@ page-id mapping that must stay one-to-one."""
 from absl.testing import absltest
 import chex
 from hypothesis import HealthCheck, settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 import jax
 import jax.numpy as jnp
 import numpy as np
