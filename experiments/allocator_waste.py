@@ -9,9 +9,9 @@ running request stores one more token (its prompt is stored when admitted); fini
 their memory. Paged allocation grows a page at a time and preempts the newest request (recompute)
 when a page is missing; the baselines reserve their whole extent at admission. Reported, averaged
 over steps: the fraction of reserved KV slots that hold token states, and the number of running
-requests (the batch the memory allows). Lengths are synthetic (log-normal) with the means the paper
-gives for ShareGPT (161.31 in, 337.99 out) and Alpaca (19.31 in, 58.45 out): we have no dataset
-download here, so the shapes of the real distributions are approximated.
+requests (the batch the memory allows). Lengths come from `paged_jax.workloads`: the ShareGPT-like
+and Alpaca-like generators fitted in ../shared/WORKLOADS.md (means 161.5 / 335.6 and 19.3 / 58.4
+tokens in / out; the paper's 161.31 / 337.99 and 19.31 / 58.45); no dataset is downloaded here.
 """
 
 from __future__ import annotations
@@ -24,10 +24,11 @@ import os
 from absl import app, flags
 import numpy as np
 
+from paged_jax import workloads
 from paged_jax.host import baselines
 from paged_jax.host.block_manager import BlockManager
 
-WORKLOADS = {"sharegpt": (161.31, 337.99), "alpaca": (19.31, 58.45)}
+WORKLOADS = workloads.WORKLOADS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,13 +42,10 @@ class WasteConfig:
 
 
 def sample_lengths(cfg: WasteConfig) -> np.ndarray:
-  """i64[num_requests, 2] (prompt_len, output_len), log-normal with the workload's means."""
-  mean_in, mean_out = WORKLOADS[cfg.workload]
-  rng = np.random.default_rng(cfg.seed)
-  sigma = 1.0
-  draw = lambda mean: rng.lognormal(np.log(mean) - sigma ** 2 / 2, sigma, cfg.num_requests)
-  prompt = np.clip(np.round(draw(mean_in)), 1, cfg.max_len // 2).astype(np.int64)
-  output = np.clip(np.round(draw(mean_out)), 1, cfg.max_len - prompt).astype(np.int64)
+  """i64[num_requests, 2] (prompt_len, output_len) from the workload's generator
+  (`paged_jax.workloads`: the ShareGPT-like and Alpaca-like fits of WORKLOADS.md)."""
+  prompt, output = workloads.sample_lengths(np.random.default_rng(cfg.seed), cfg.workload,
+                                            cfg.num_requests, max_total=cfg.max_len)
   return np.stack([prompt, output], 1)
 
 

@@ -1,10 +1,13 @@
 """Every experiment's importable run(config) on a tiny config: it runs, checks itself, reports."""
 
+import os
+
 from absl.testing import absltest
 import numpy as np
 
 from experiments import (allocator_waste, attention_bench, block_manager_bench, copy_eval, demo,
-                         ondevice_bench, profile_step, serve_bench, step_bench, train_copy_model)
+                         fragmentation, ondevice_bench, profile_step, serve_bench, step_bench,
+                         train_copy_model)
 
 
 class ExperimentsTest(absltest.TestCase):
@@ -120,6 +123,26 @@ class ExperimentsTest(absltest.TestCase):
     for kind in ("prefill", "decode"):
       for part in ("attention", "mlp", "q/k/v/o projections", "kv write", "sampling"):
         self.assertGreater(r[kind].get(part, 0), 0, (kind, part, r[kind]))
+
+  def test_fragmentation_reproduces_the_seeds_example(self):
+    import tempfile
+    out = tempfile.mkdtemp()
+    r = fragmentation.run(fragmentation.FragmentationConfig(results_dir=out))
+    e = r["eight_requests"]
+    self.assertEqual(e["tokens"], 5190)
+    self.assertAlmostEqual(e["contiguous_waste"], 0.683, places=3)    # seed: 68.3%
+    self.assertEqual((e["paged_pages"], e["paged_waste_slots"]), (328, 58))   # seed: 58 slots
+    self.assertAlmostEqual(e["paged_waste"], 0.011, places=3)         # seed: 1.1%
+    self.assertEqual((r["pool"]["pages"], r["pool"]["tokens"]), (3072, 49152))
+    c = r["concurrency"]
+    self.assertEqual(c["contiguous_any_length"], 24)   # seed: ~22 (its unit mix; see notes)
+    self.assertEqual(c["paged_300_tokens"], 161)       # seed: about 160
+    self.assertEqual(c["paged_2000_tokens"], 24)       # seed: about 24
+    self.assertEqual(c["paged_additional_after_eight"], 144)   # seed: 144
+    s = r["sharing"]
+    self.assertEqual((s["unshared_pages"], s["shared_pages"], s["cow_copies"]), (300, 114, 3))
+    self.assertLen(r["notes"], 3)
+    self.assertTrue(os.path.getsize(os.path.join(out, "fragmentation.png")) > 0)
 
   def test_ondevice_bench(self):
     r = ondevice_bench.run(ondevice_bench.OnDeviceBenchConfig(
