@@ -234,6 +234,30 @@ class Engine:
       return frozenset()
     return frozenset(p for s in g.seqs if s.seq_id in self.bm for p in self.bm.block_table(s.seq_id))
 
+  def pool_map(self) -> dict[str, np.ndarray]:
+    """The pool's state page by page, for pictures (experiments/pool_map.py).
+
+    Returns:
+      owner: i64[num_pages] admission rank (SequenceGroup.order) of the oldest request that
+        references the page, -1 if none; refcount: i32[num_pages]; shared: bool[num_pages] referenced by
+        more than one sequence; cached_idle / free: bool[num_pages]. NULL_PAGE is none of them.
+    """
+    n = self.num_pages
+    owner = np.full(n, -1, np.int64)
+    refcount = np.zeros(n, np.int32)
+    cached_idle = np.zeros(n, bool)
+    seq_request = {s.seq_id: g.order for g in self.scheduler.groups() for s in g.seqs
+                   if g.order is not None}
+    for page, seqs in self.bm.page_owners().items():
+      owner[page] = min(seq_request.get(s, -1) for s in seqs)
+      refcount[page] = len(seqs)
+    for page in self.bm.cached_idle_pages():
+      cached_idle[page] = True
+    free = (refcount == 0) & ~cached_idle
+    free[NULL_PAGE] = False
+    return dict(owner=owner, refcount=refcount, shared=refcount > 1, cached_idle=cached_idle,
+                free=free)
+
   # ------------------------------------------------------------------------------ the loop
 
   def step(self) -> list[RequestOutput]:

@@ -423,6 +423,14 @@ class BlockManager:
         "internal_fragmentation": (reserved - stored_tokens) / reserved if reserved else 0.0,
     }
 
+  def page_owners(self) -> dict[int, list]:
+    """{page: [sequence ids whose block tables reference it]} for every page in use."""
+    owners: dict[int, list] = {}
+    for seq_id, s in self._seqs.items():
+      for p in s.block_table:
+        owners.setdefault(p, []).append(seq_id)
+    return owners
+
   def check_invariants(self) -> None:
     """Raises AssertionError if any invariant of the module docstring is broken."""
     refs = np.asarray(self._refs)

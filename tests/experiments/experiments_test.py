@@ -6,8 +6,8 @@ from absl.testing import absltest
 import numpy as np
 
 from experiments import (allocator_waste, attention_bench, block_manager_bench, copy_eval, demo,
-                         fragmentation, ondevice_bench, profile_step, serve_bench, step_bench,
-                         train_copy_model)
+                         fragmentation, ondevice_bench, pool_map, profile_step, serve_bench,
+                         step_bench, train_copy_model)
 
 
 class ExperimentsTest(absltest.TestCase):
@@ -143,6 +143,18 @@ class ExperimentsTest(absltest.TestCase):
     self.assertEqual((s["unshared_pages"], s["shared_pages"], s["cow_copies"]), (300, 114, 3))
     self.assertLen(r["notes"], 3)
     self.assertTrue(os.path.getsize(os.path.join(out, "fragmentation.png")) > 0)
+
+  def test_pool_map_draws_the_pool(self):
+    import tempfile
+    out = tempfile.mkdtemp()
+    r = pool_map.run(pool_map.PoolMapConfig(num_pages=24, num_requests=6, arrivals_per_step=2.0,
+                                            gif=True, results_dir=out))
+    for c in r["counts"]:   # every usable page is in exactly one state, every step
+      self.assertEqual(c["in_use"] + c["cached_idle"] + c["free"], 23)
+    self.assertEqual(r["counts"][-1]["in_use"], 0)
+    self.assertGreater(r["peak_in_use"], 0)
+    for key in ("map", "usage", "gif"):
+      self.assertGreater(os.path.getsize(r["paths"][key]), 0)
 
   def test_ondevice_bench(self):
     r = ondevice_bench.run(ondevice_bench.OnDeviceBenchConfig(
