@@ -183,6 +183,7 @@ def _soak_one(cfg: SoakConfig, mode: str, num_requests: int, seed: int, params, 
           bar.update(1)
   seconds = time.perf_counter() - t0
   engine.bm.check_invariants()
+  engine.scheduler.check_swap_accounting()
   leaks = dict(pages_in_use=engine.bm.stats()["pages_in_use"],
                swap_pages_held=engine.scheduler.swap_pages_used, host_swap_copies=len(engine._swap))
   # The same completed requests on an unconstrained engine: no faults, aborts or pressure.

@@ -30,6 +30,7 @@ def make(num_pages=14, steps=StepFunctions(), mode="swap", **kw):
 
 def no_leaks(test, engine):
   engine.bm.check_invariants()
+  engine.scheduler.check_swap_accounting()
   test.assertEqual(engine.bm.stats()["pages_in_use"], 0)
   test.assertEqual(engine.scheduler.swap_pages_used, 0)
   test.assertEqual(engine._swap, {})
