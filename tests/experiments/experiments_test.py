@@ -5,7 +5,8 @@ import os
 from absl.testing import absltest
 import numpy as np
 
-from experiments import (allocator_waste, attention_bench, block_manager_bench, copy_eval, demo,
+from experiments import (allocator_waste, attention_bench, attention_overhead, block_manager_bench,
+                         copy_eval, demo,
                          fragmentation, ondevice_bench, pool_map, profile_step, serve_bench,
                          step_bench, train_copy_model)
 
@@ -155,6 +156,19 @@ class ExperimentsTest(absltest.TestCase):
     self.assertGreater(r["peak_in_use"], 0)
     for key in ("map", "usage", "gif"):
       self.assertGreater(os.path.getsize(r["paths"][key]), 0)
+
+  def test_attention_overhead(self):
+    import tempfile
+    out = tempfile.mkdtemp()
+    r = attention_overhead.run(attention_overhead.OverheadConfig(
+        seq_lens=(16, 40), batch_sizes=(2,), page_size=4, num_q_heads=4, num_kv_heads=2,
+        head_dim=8, rounds=1, iters=1, results_dir=out), progress=lambda _: None)
+    self.assertEqual([(p["batch"], p["seq_len"]) for p in r["points"]], [(2, 16), (2, 40)])
+    for p in r["points"]:
+      self.assertLessEqual(p["max_abs_err"], 1e-5)   # the paged path was checked, then timed
+      self.assertGreater(p["contiguous_ms"], 0)
+    self.assertEqual(r["gpu_records"], [])
+    self.assertGreater(os.path.getsize(r["png"]), 0)
 
   def test_ondevice_bench(self):
     r = ondevice_bench.run(ondevice_bench.OnDeviceBenchConfig(
