@@ -7,8 +7,8 @@ import numpy as np
 
 from experiments import (allocator_waste, attention_bench, attention_overhead, block_manager_bench,
                          copy_eval, demo,
-                         fragmentation, ondevice_bench, pool_map, profile_step, serve_bench,
-                         step_bench, train_copy_model)
+                         fragmentation, ondevice_bench, page_size_sweep, pool_map, profile_step,
+                         serve_bench, step_bench, train_copy_model)
 
 
 class ExperimentsTest(absltest.TestCase):
@@ -168,6 +168,23 @@ class ExperimentsTest(absltest.TestCase):
       self.assertLessEqual(p["max_abs_err"], 1e-5)   # the paged path was checked, then timed
       self.assertGreater(p["contiguous_ms"], 0)
     self.assertEqual(r["gpu_records"], [])
+    self.assertGreater(os.path.getsize(r["png"]), 0)
+
+  def test_page_size_sweep(self):
+    import tempfile
+    out = tempfile.mkdtemp()
+    r = page_size_sweep.run(page_size_sweep.SweepConfig(
+        page_sizes=(1, 16), waste_requests=40, serve_requests=4, attention_seqs=2,
+        attention_len=48, attention_head_dim=16, rounds=1, results_dir=out),
+        progress=lambda _: None)
+    small, large = r["rows"]
+    for w in ("sharegpt", "alpaca"):
+      self.assertEqual(small[f"{w}_waste"], 0.0)   # one-token pages waste nothing
+      self.assertGreater(large[f"{w}_waste"], 0.0)
+      self.assertGreater(small[f"{w}_tokens_per_s"], 0)
+    self.assertIsNone(small["sharegpt_real_data_waste"])   # WORKLOADS.md starts at 8
+    self.assertEqual(large["sharegpt_real_data_waste"], 0.016)
+    self.assertLessEqual(large["attention_max_abs_err"], 1e-5)
     self.assertGreater(os.path.getsize(r["png"]), 0)
 
   def test_ondevice_bench(self):
