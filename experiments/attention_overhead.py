@@ -39,23 +39,29 @@ class OverheadConfig:
   results_dir: str | None = RESULTS
 
 
+def paged_vs_contiguous(copy_bytes_per_s: float, **shape) -> dict:
+  """One decode shape (attention_bench.BenchConfig fields) through both paths, checked against
+  the reference and timed side by side: contiguous_ms, paged_ms, overhead, max_abs_err."""
+  bench = attention_bench.BenchConfig(q_len=1, impls=("dense_blocked", "paged_xla"),
+                                      baseline="dense_blocked", **shape)
+  records = {r["impl"]: r for r in attention_bench.run(bench, copy_bytes_per_s=copy_bytes_per_s)}
+  paged, dense = records["paged_xla"], records["dense_blocked"]
+  return dict(contiguous_ms=dense["ms"], paged_ms=paged["ms"],
+              overhead=paged["ms"] / dense["ms"] - 1, max_abs_err=paged["max_abs_err"])
+
+
 def run(cfg: OverheadConfig, progress=print) -> dict:
   copy_bw = attention_bench.copy_bandwidth()
   points = []
   for batch in cfg.batch_sizes:
     for seq_len in cfg.seq_lens:
-      bench = attention_bench.BenchConfig(
-          num_seqs=batch, seq_len=seq_len, q_len=1, page_size=cfg.page_size,
+      point = dict(batch=batch, seq_len=seq_len, **paged_vs_contiguous(
+          copy_bw, num_seqs=batch, seq_len=seq_len, page_size=cfg.page_size,
           num_q_heads=cfg.num_q_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-          impls=("dense_blocked", "paged_xla"), baseline="dense_blocked", rounds=cfg.rounds,
-          iters=cfg.iters)
-      records = {r["impl"]: r for r in attention_bench.run(bench, copy_bytes_per_s=copy_bw)}
-      paged, dense = records["paged_xla"], records["dense_blocked"]
-      point = dict(batch=batch, seq_len=seq_len, contiguous_ms=dense["ms"], paged_ms=paged["ms"],
-                   overhead=paged["ms"] / dense["ms"] - 1, max_abs_err=paged["max_abs_err"])
+          rounds=cfg.rounds, iters=cfg.iters))
       points.append(point)
-      progress(f"batch {batch:3d} x {seq_len:5d} tokens: contiguous {dense['ms']:8.3f} ms, "
-               f"paged {paged['ms']:8.3f} ms, overhead {100 * point['overhead']:+6.1f}%")
+      progress(f"batch {batch:3d} x {seq_len:5d} tokens: contiguous {point['contiguous_ms']:8.3f} "
+               f"ms, paged {point['paged_ms']:8.3f} ms, overhead {100 * point['overhead']:+6.1f}%")
   gpu = _gpu_records(cfg.results_dir)
   result = {"config": dataclasses.asdict(cfg), "points": points, "gpu_records": gpu}
   if cfg.results_dir:

@@ -24,7 +24,7 @@ import os
 
 from absl import app, flags
 
-from experiments import allocator_waste, attention_bench
+from experiments import allocator_waste, attention_bench, attention_overhead
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
@@ -61,14 +61,12 @@ def run(cfg: SweepConfig, progress=print) -> dict:
       r = serve.run(serve.ServeConfig(workload=w, num_requests=cfg.serve_requests, page_size=ps,
                                       warmup=True, progress=False), model=model)
       row[f"{w}_tokens_per_s"] = r["output_tokens_per_s"]
-    bench = attention_bench.BenchConfig(
-        num_seqs=cfg.attention_seqs, seq_len=cfg.attention_len, q_len=1, page_size=ps,
-        head_dim=cfg.attention_head_dim, impls=("dense_blocked", "paged_xla"),
-        baseline="dense_blocked", rounds=cfg.rounds, iters=3)
-    recs = {r["impl"]: r for r in attention_bench.run(bench, copy_bytes_per_s=copy_bw)}
-    row["attention_paged_ms"] = recs["paged_xla"]["ms"]
-    row["attention_contiguous_ms"] = recs["dense_blocked"]["ms"]
-    row["attention_max_abs_err"] = recs["paged_xla"]["max_abs_err"]
+    a = attention_overhead.paged_vs_contiguous(
+        copy_bw, num_seqs=cfg.attention_seqs, seq_len=cfg.attention_len, page_size=ps,
+        head_dim=cfg.attention_head_dim, rounds=cfg.rounds, iters=3)
+    row["attention_paged_ms"] = a["paged_ms"]
+    row["attention_contiguous_ms"] = a["contiguous_ms"]
+    row["attention_max_abs_err"] = a["max_abs_err"]
     rows.append(row)
     progress(f"page {ps:4d}: " + ", ".join(
         f"{w} waste {100 * row[f'{w}_waste']:.2f}% / {row[f'{w}_tokens_per_s']:.0f} tok/s"
