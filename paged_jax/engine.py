@@ -124,7 +124,8 @@ class Engine:
                            enable_prefix_caching=cache.enable_prefix_caching,
                            track_released=scrub_freed_pages)
     self._seq_ids = itertools.count()
-    self.scheduler = Scheduler(self.bm, scheduler, lambda: next(self._seq_ids))
+    self.scheduler = Scheduler(self.bm, scheduler, lambda: next(self._seq_ids),
+                               max_len=cfg.max_position)
     self.pool = self._new_pool()
     self.capacity_tokens = (self.num_pages - 1) * cache.page_size
     self.max_pages_per_seq = -(-cfg.max_position // cache.page_size)
@@ -178,6 +179,13 @@ class Engine:
       raise ValueError(f"the request needs up to {need} pages (prompt {len(prompt)} + "
                        f"max_tokens {params.max_tokens}, {width} sequence(s), page_size "
                        f"{self.page_size}); the pool has {self.num_pages - 1}: it can never fit")
+    reserved = self.scheduler.reserved
+    if reserved is not None:
+      size = reserved.extent_size(min(len(prompt) + params.max_tokens, reserved.max_len), width)
+      if size > reserved.capacity_tokens:
+        raise ValueError(f"the request reserves {size} slots under reservation="
+                         f"{reserved.policy!r}; reservation_tokens is "
+                         f"{reserved.capacity_tokens}: it can never fit")
 
   def pages_at_most(self, prompt_len: int, params: SamplingParams) -> int:
     """Pages a request can hold at once: every sequence's K/V up to its last useful position,

@@ -60,6 +60,7 @@ class ServeConfig:
   max_num_batched_tokens: int = 2048
   steps_per_sync: int = 4
   preemption_mode: str = "recompute"
+  reservation: str = "paged"
   enable_prefix_caching: bool = True
   impl: str = "auto"
   dtype: str = "float32"
@@ -143,12 +144,23 @@ def make_requests(cfg: ServeConfig, mcfg, tokenizer) -> list[_Request]:
 
 
 def make_engine(cfg: ServeConfig, params, mcfg, tokenizer, eos) -> Engine:
+  """The engine `cfg` describes. With a contiguous baseline (--reservation=max/pow2/oracle) the
+  KV budget becomes the baseline's slot space and the pool gets one slack page per batch row,
+  so the reservation, not the page pool, limits admission (see SchedulerConfig.reservation)."""
   cache = CacheConfig(page_size=cfg.page_size, num_pages=cfg.num_pages,
                       memory_bytes=cfg.kv_cache_bytes, memory_fraction=cfg.kv_cache_fraction,
                       enable_prefix_caching=cfg.enable_prefix_caching)
+  reservation_tokens = None
+  if cfg.reservation != "paged":
+    device = jax.devices()[0]
+    budget = cache.resolve_num_pages(
+        mcfg, device.memory_stats() if hasattr(device, "memory_stats") else None)
+    reservation_tokens = (budget - 1) * cfg.page_size
+    cache = dataclasses.replace(cache, num_pages=budget + cfg.max_num_seqs)
   sched = SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
                           max_num_batched_tokens=cfg.max_num_batched_tokens,
-                          steps_per_sync=cfg.steps_per_sync, preemption_mode=cfg.preemption_mode)
+                          steps_per_sync=cfg.steps_per_sync, preemption_mode=cfg.preemption_mode,
+                          reservation=cfg.reservation, reservation_tokens=reservation_tokens)
   return Engine(params, mcfg, cache=cache, scheduler=sched, impl=cfg.impl, seed=cfg.seed,
                 tokenizer=tokenizer, eos_token_ids=eos, validate_tables=cfg.validate_tables,
                 scrub_freed_pages=cfg.scrub_freed_pages)
@@ -197,16 +209,21 @@ def summarize(engine: Engine, requests: list[_Request], outs, seconds: float) ->
   per_seq_latency = [(o.finish_time - o.arrival_time) / max(1, len(c.token_ids))
                      for o in outs for c in o.outputs]
   m = engine.metrics()
+  reserved = engine.scheduler.reserved   # a contiguous baseline: its slots are the KV budget
+  capacity = reserved.capacity_tokens if reserved is not None else engine.capacity_tokens
   return {
       "num_requests": len(requests), "seconds": seconds,
       "input_tokens": input_tokens, "output_tokens": output_tokens,
       "input_tokens_per_s": input_tokens / seconds, "output_tokens_per_s": output_tokens / seconds,
       "ttft_s": _percentiles(o.ttft for o in outs), "tpot_s": _percentiles(o.tpot for o in outs),
       "normalized_latency_s_per_token": float(np.mean(per_seq_latency)),
-      "peak_kv_usage": m["max_pages_in_use"] / (engine.num_pages - 1),
+      "peak_kv_usage": m["max_pages_in_use"] * engine.page_size / capacity,
       "prefix_hit_rate": m["prefix_hit_rate"], "preemptions": m["preemptions"],
+      "prefill_tokens": m["prefill_tokens"], "cached_prompt_tokens": m["cached_prompt_tokens"],
       "swapped_out_pages": m["swapped_out_pages"], "recomputed_tokens": m["recomputed_tokens"],
-      "capacity_tokens": engine.capacity_tokens, "num_pages": engine.num_pages,
+      "capacity_tokens": capacity, "num_pages": engine.num_pages,
+      # decode rows per model step (a k-step round counts k steps; prefill steps count too)
+      "mean_decode_batch": m["decode_tokens"] / max(1, m["decode_steps"] + m["prefill_steps"]),
       "steps": m["steps"], "prefill_s": m["prefill_s"], "decode_s": m["decode_s"],
       "host_s": m["host_s"], "validate_s": m["validate_s"],
       "scrubbed_pages": m["scrubbed_pages"],
@@ -275,7 +292,8 @@ def main(argv):
       num_pages=f.num_pages, kv_cache_bytes=f.kv_cache_bytes,
       kv_cache_fraction=f.kv_cache_fraction, max_num_seqs=f.max_num_seqs,
       max_num_batched_tokens=f.max_num_batched_tokens, steps_per_sync=f.steps_per_sync,
-      preemption_mode=f.preemption_mode, enable_prefix_caching=f.enable_prefix_caching,
+      preemption_mode=f.preemption_mode, reservation=f.reservation,
+      enable_prefix_caching=f.enable_prefix_caching,
       impl=f.impl, dtype=f.dtype, seed=f.seed, warmup=f.warmup, progress=f.progress,
       validate_tables=f.validate_tables, scrub_freed_pages=f.scrub_freed_pages)
   r = run(cfg)
@@ -310,6 +328,9 @@ def define_flags():
   flags.DEFINE_integer("max_num_batched_tokens", 2048, "Token budget per step.")
   flags.DEFINE_integer("steps_per_sync", 4, "Decode steps per host sync.")
   flags.DEFINE_enum("preemption_mode", "recompute", ["recompute", "swap"], "Preemption.")
+  flags.DEFINE_enum("reservation", "paged", ["paged", "max", "pow2", "oracle"],
+                    "KV allocation: paged, or a contiguous baseline of the paper driving "
+                    "admission (the KV budget becomes its slot space).")
   flags.DEFINE_bool("enable_prefix_caching", True, "Share full pages by chained hash.")
   flags.DEFINE_enum("impl", "auto", ["auto", "xla", "pallas", "interpret"], "Attention path.")
   flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter dtype.")

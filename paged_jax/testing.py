@@ -206,8 +206,7 @@ class FakeSteps:
   def __init__(self):
     self.events = []
 
-  @staticmethod
-  def _out(tokens):
+  def _out(self, tokens, num_logprobs: int = 0):
     from paged_jax.sampling import SampleOutput
     tokens = jnp.asarray(tokens, jnp.int32)
     zeros = jnp.zeros(tokens.shape, jnp.float32)
@@ -223,18 +222,41 @@ class FakeSteps:
     prefill = [(int(tokens[a]) // 100, int(positions[a]), int(positions[b - 1]) + 1)
                for a, b in zip(cu[d:-1], cu[d + 1:]) if b > a]
     self.events.append(("step", decode, prefill))
-    return self._out(tokens[np.asarray(batch.logits_indices)] + 1), pool
+    return self._out(tokens[np.asarray(batch.logits_indices)] + 1, num_logprobs), pool
 
   def multi_step_decode(self, params, pool, state, sampling, *, cfg, num_steps, impl,
                         greedy_only, num_logprobs):
     live = np.asarray(state.write_limit) > 0
     tokens = np.asarray(state.tokens)
     self.events.append(("decode", [int(t) // 100 for t in tokens[live]], num_steps))
-    return self._out(tokens[None, :] + np.arange(1, num_steps + 1)[:, None]), pool
+    return self._out(tokens[None, :] + np.arange(1, num_steps + 1)[:, None], num_logprobs), pool
 
   def functions(self):
     from paged_jax.engine import StepFunctions
     return StepFunctions(self.sample_step, self.multi_step_decode)
+
+
+class RandomSteps(FakeSteps):
+  """Device steps without a model that sample from random logits (N(0, `scale`) over `vocab_size`
+  tokens, fresh per row and step): greedy tokens with their log-softmax logprobs and top-N, so
+  beam search and parallel sampling run their real host-side logic (forks, frees, copy-on-write)
+  at any length, e.g. to measure page sharing on a workload. Events are recorded as in FakeSteps.
+  """
+
+  def __init__(self, vocab_size: int, seed: int = 0, scale: float = 2.0):
+    super().__init__()
+    self.vocab_size, self.scale = vocab_size, scale
+    self.rng = np.random.default_rng(seed)
+
+  def _out(self, tokens, num_logprobs: int = 0):
+    from paged_jax.sampling import SampleOutput
+    logits = self.rng.normal(0.0, self.scale, np.shape(tokens) + (self.vocab_size,))
+    logprobs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    order = np.argsort(-logprobs, axis=-1)[..., :max(1, num_logprobs)]
+    top = np.take_along_axis(logprobs, order, -1)
+    return SampleOutput(jnp.asarray(order[..., 0], jnp.int32), jnp.asarray(top[..., 0], jnp.float32),
+                        jnp.asarray(order[..., :num_logprobs], jnp.int32),
+                        jnp.asarray(top[..., :num_logprobs], jnp.float32))
 
 
 def dense_logprobs(params, cfg, tokens) -> np.ndarray:

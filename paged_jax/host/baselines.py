@@ -46,14 +46,26 @@ class ContiguousAllocator:
     self._extents: dict[Hashable, tuple[int, int]] = {}          # seq -> (start, length)
     self._stored: dict[Hashable, int] = {}
 
-  def admit(self, seq_id, prompt_len: int, final_len: int) -> bool:
-    """Reserves the request's extent; False (nothing changed) if no free extent is large enough."""
+  def extent_size(self, final_len: int, num_seqs: int = 1) -> int:
+    """Slots a request reserves: `num_seqs` (samples or beams) times its policy's reservation."""
+    return num_seqs * reservation(self.policy, final_len, self.max_len)
+
+  def fits(self, final_len: int, num_seqs: int = 1) -> bool:
+    """Whether `admit` would find a free extent now."""
+    size = self.extent_size(final_len, num_seqs)
+    return any(length >= size for _, length in self._free)
+
+  def admit(self, seq_id, prompt_len: int, final_len: int, num_seqs: int = 1) -> bool:
+    """Reserves the request's extent (one extent of `num_seqs` reservations for a request with
+    several samples or beams); False (nothing changed) if no free extent is large enough."""
     if seq_id in self._extents:
       raise ValueError(f"sequence {seq_id!r} is already admitted")
     if not 0 < prompt_len <= final_len <= self.max_len:
       raise ValueError(f"need 0 < prompt_len={prompt_len} <= final_len={final_len} <= "
                        f"max_len={self.max_len}")
-    size = reservation(self.policy, final_len, self.max_len)
+    if num_seqs < 1:
+      raise ValueError(f"num_seqs={num_seqs} must be >= 1")
+    size = self.extent_size(final_len, num_seqs)
     for i, (start, length) in enumerate(self._free):
       if length >= size:
         if length == size:
@@ -74,6 +86,9 @@ class ContiguousAllocator:
       raise ValueError(f"sequence {seq_id!r} would store {stored} tokens in a reservation of "
                        f"{self._extents[seq_id][1]}")
     self._stored[seq_id] = stored
+
+  def __contains__(self, seq_id) -> bool:
+    return seq_id in self._extents
 
   def free(self, seq_id) -> None:
     """Returns the extent, merging it with free neighbours."""

@@ -21,12 +21,14 @@ import collections
 import dataclasses
 from typing import Callable
 
+from paged_jax.host import baselines
 from paged_jax.host.addressing import pages_needed
 from paged_jax.host.block_manager import BlockManager
 from paged_jax.host.group_policy import policy_for, samples_from
 from paged_jax.host.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
 
 PREEMPTION_MODES = ("recompute", "swap")
+RESERVATIONS = ("paged",) + baselines.POLICIES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +46,15 @@ class SchedulerConfig:
     swap_space_pages: host memory for swapped pages, in pages; None = as many as the pool.
     watermark: fraction of the pool kept free at admission, so decoding sequences can grow
       without preempting at once (vLLM v0's default 1%).
+    reservation: "paged" (pages as tokens arrive: this framework) or a contiguous baseline of
+      the PagedAttention paper driving admission: "max", "pow2" or "oracle" (`host.baselines`).
+      A baseline admits a request only when a first-fit extent of its reservation (the model's
+      maximum length, the next power of two of prompt + max_tokens, or exactly that; n samples
+      or beams reserve n times as much) fits in `reservation_tokens` slots, and holds it until
+      the request ends. Pages are still what the device reads: give the pool slack (about one
+      page per running sequence beyond reservation_tokens / page_size) so the reservation,
+      not the pool, is what binds (the throughput-vs-rate experiment does).
+    reservation_tokens: the baseline's slot space; None = the pool's slots.
   """
   max_num_seqs: int = 64
   max_num_batched_tokens: int = 2048
@@ -51,10 +62,16 @@ class SchedulerConfig:
   preemption_mode: str = "recompute"
   swap_space_pages: int | None = None
   watermark: float = 0.01
+  reservation: str = "paged"
+  reservation_tokens: int | None = None
 
   def __post_init__(self):
     if self.preemption_mode not in PREEMPTION_MODES:
       raise ValueError(f"preemption_mode={self.preemption_mode!r} is not one of {PREEMPTION_MODES}")
+    if self.reservation not in RESERVATIONS:
+      raise ValueError(f"reservation={self.reservation!r} is not one of {RESERVATIONS}")
+    if self.reservation_tokens is not None and self.reservation_tokens < 1:
+      raise ValueError(f"reservation_tokens={self.reservation_tokens} must be >= 1")
     for name in ("max_num_seqs", "max_num_batched_tokens", "steps_per_sync"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
@@ -135,10 +152,18 @@ class Scheduler:
     bm: the block manager (owns the pages).
     config: the policy.
     new_seq_id: returns a fresh sequence id (forks and beams need them).
+    max_len: the model's maximum sequence length (the "max" reservation; a baseline needs it).
   """
 
-  def __init__(self, bm: BlockManager, config: SchedulerConfig, new_seq_id: Callable[[], int]):
+  def __init__(self, bm: BlockManager, config: SchedulerConfig, new_seq_id: Callable[[], int],
+               max_len: int | None = None):
     self.bm = bm
+    self.reserved: baselines.ContiguousAllocator | None = None   # a baseline's extents
+    if config.reservation != "paged":
+      if max_len is None:
+        raise ValueError(f"reservation={config.reservation!r} needs the model's max_len")
+      slots = config.reservation_tokens or (bm.num_pages - 1) * bm.page_size
+      self.reserved = baselines.ContiguousAllocator(slots, config.reservation, max_len)
     self.config = config
     self.new_seq_id = new_seq_id
     self.waiting: collections.deque[SequenceGroup] = collections.deque()
@@ -234,6 +259,19 @@ class Scheduler:
       if seq.seq_id in self.bm:
         self.bm.free(seq.seq_id)
     self.swap_pages_used -= self._swap_pages.pop(g.request_id, 0)
+    self._release_extent(g)
+
+  def _final_len(self, g: SequenceGroup) -> int:
+    return min(len(g.prompt) + g.params.max_tokens, self.reserved.max_len)
+
+  def _extent_fits(self, g: SequenceGroup) -> bool:
+    """True without a baseline, or when g holds its extent or one would fit now."""
+    return (self.reserved is None or g.request_id in self.reserved
+            or self.reserved.fits(self._final_len(g), g.max_seqs))
+
+  def _release_extent(self, g: SequenceGroup) -> None:
+    if self.reserved is not None and g.request_id in self.reserved:
+      self.reserved.free(g.request_id)
 
   def _to_waiting(self, g: SequenceGroup) -> None:
     """Preempted (or requeued) requests wait ahead of fresh ones, by admission order."""
@@ -302,7 +340,7 @@ class Scheduler:
       head = self.waiting[0]
       rows_ok = self.num_running_seqs() + head.max_seqs <= self.config.max_num_seqs
       need = sum(pages_needed(len(s.tokens), self.bm.page_size) for s in head.seqs)
-      if rows_ok and need <= self.bm.num_free_pages:
+      if rows_ok and need <= self.bm.num_free_pages and self._extent_fits(head):
         return False
     return True
 
@@ -428,6 +466,10 @@ class Scheduler:
       need = sum(pages_needed(len(s.tokens), self.bm.page_size) for s in g.seqs)
       if self.running and self.bm.num_free_pages - need < watermark:
         break
+      if not self._extent_fits(g):
+        break
+      if self.reserved is not None and g.request_id not in self.reserved:
+        self.reserved.admit(g.request_id, len(g.prompt), self._final_len(g), g.max_seqs)
       admitted = []
       for s in g.seqs:
         resume = s.seq_id in self.bm
@@ -438,6 +480,8 @@ class Scheduler:
       if len(admitted) < len(g.seqs):   # all or nothing for the request
         for s, resume, _ in admitted:
           (self.bm.preempt_recompute if resume else self.bm.free)(s.seq_id)
+        if g.order is None:
+          self._release_extent(g)
         break
       self.waiting.popleft()
       for s, resume, adm in admitted:
@@ -485,4 +529,5 @@ class Scheduler:
       policy_for(g).update(g, rows, self.bm, self.new_seq_id)
       if g.is_finished:
         self.running.remove(g)
+        self._release_extent(g)
     return [g for g, _ in touched.values()]

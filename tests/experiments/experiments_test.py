@@ -8,7 +8,7 @@ import numpy as np
 from experiments import (allocator_waste, attention_bench, attention_overhead, block_manager_bench,
                          copy_eval, demo,
                          fragmentation, ondevice_bench, page_size_sweep, pool_map, profile_step,
-                         serve_bench, step_bench, train_copy_model)
+                         rate_sweep, serve_bench, sharing, step_bench, train_copy_model)
 
 
 class ExperimentsTest(absltest.TestCase):
@@ -195,6 +195,56 @@ class ExperimentsTest(absltest.TestCase):
     self.assertEqual(r["engines"]["on_device"]["host_syncs"], 1)
     self.assertGreater(r["engines"]["engine"]["host_syncs"], 1)
     self.assertGreater(r["engines"]["on_device"]["tokens_per_s"], 0)
+
+  def test_sustainable_rate(self):
+    rates, lat = [1.0, 2.0, 3.0], [1.0, 2.0, 5.0]
+    self.assertEqual(rate_sweep.sustainable_rate(rates, lat, 3.5), (2.5, "interpolated"))
+    self.assertEqual(rate_sweep.sustainable_rate(rates, lat, 9.0), (3.0, "at least"))
+    self.assertEqual(rate_sweep.sustainable_rate(rates, lat, 0.5), (1.0, "below"))
+
+  def test_rate_sweep_reservation_drives_admission(self):
+    import tempfile
+    out = tempfile.mkdtemp()
+    # 8 pages x 16 = 128 slots = the embedded model's context: Max admits one request at a time.
+    r = rate_sweep.run(rate_sweep.RateConfig(
+        workloads=("alpaca",), systems=("paged", "max"), num_requests=10, kv_pages=9,
+        rate_fractions=(0.5, 4.0), progress=False, results_dir=out), progress=lambda _: None)
+    s = r["summary"]["alpaca"]["systems"]
+    self.assertLessEqual(s["max"]["saturation_mean_batch"], 1.0)
+    self.assertGreater(s["paged"]["saturation_mean_batch"], 1.0)
+    self.assertLen(r["rows"], 4)
+    self.assertTrue(all(p["preemptions"] == 0 for p in r["rows"] if p["system"] == "max"))
+    self.assertEqual(s["paged"]["paged_ratio"], 1.0)
+    self.assertGreater(os.path.getsize(r["png"]), 0)
+    with self.assertRaisesRegex(ValueError, "the first must be 'paged'"):
+      rate_sweep.run(rate_sweep.RateConfig(systems=("max", "paged")))
+
+  def test_sharing_memory(self):
+    r = sharing.run(sharing.SharingConfig(parts=("memory",), workloads=("alpaca",),
+                                          widths=(1, 3), num_requests=6, progress=False,
+                                          results_dir=None), progress=lambda _: None)
+    by = {(m["mode"], m["width"]): m for m in r["memory"]}
+    for mode in ("parallel", "beam"):
+      self.assertEqual(by[(mode, 1)]["saving"], 0.0)   # one sequence shares nothing
+      self.assertGreater(by[(mode, 3)]["saving"], 0.0)
+      self.assertLess(by[(mode, 3)]["saving"], 1.0)
+    self.assertTrue(all(m["preemptions"] == 0 for m in r["memory"]))
+    # Beams share the prefixes they have in common as well as the prompt.
+    self.assertGreater(by[("beam", 3)]["saving"], by[("parallel", 3)]["saving"])
+
+  def test_sharing_prefix_caching(self):
+    import tempfile
+    r = sharing.run(sharing.SharingConfig(parts=("prefix",), prefix_requests=6, output_len=4,
+                                          prefix_workloads=("system_prompt",),
+                                          progress=False, results_dir=tempfile.mkdtemp()),
+                    progress=lambda _: None)
+    off, on = r["prefix"]
+    self.assertEqual(off["cached_prompt_tokens"], 0)
+    self.assertEqual(off["prefill_tokens"], off["prompt_tokens"])
+    self.assertGreater(on["hit_rate"], 0.0)
+    self.assertEqual(on["prefill_tokens"], on["prompt_tokens"] - on["cached_prompt_tokens"])
+    self.assertTrue(on["same_tokens_as_off"])
+    self.assertGreater(os.path.getsize(r["png"]), 0)
 
   def test_copy_task_data(self):
     rng = np.random.default_rng(0)

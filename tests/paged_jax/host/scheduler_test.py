@@ -242,6 +242,49 @@ class SchedulerTest(parameterized.TestCase):
     self.assertLen(e.scheduler.waiting, 1)   # only the good one is queued
     self.run_all(e)
 
+  @parameterized.parameters(("oracle", 3), ("pow2", 2), ("max", 1))
+  def test_contiguous_reservation_drives_admission(self, policy, fit):
+    # 6-token prompts + 5 tokens: oracle reserves 11 slots, pow2 16, max 512 (max_position).
+    # 40 slots (or 512 for max) hold `fit` extents; the pool (40 pages of 4) could hold all 4.
+    slots = 512 if policy == "max" else 40
+    e = self.make(num_pages=40, steps_per_sync=1, reservation=policy, reservation_tokens=slots)
+    ids = [e.add_request(p, SamplingParams(max_tokens=5)) for p in prompts(6, 6, 6, 6)]
+    e.step()
+    self.assertEqual(self.fake.events[0][2], [(r, 0, 6) for r in range(fit)])
+    self.assertLen(e.scheduler.waiting, 4 - fit)
+    self.assertLen(e.scheduler.reserved._extents, fit)
+    final = self.run_all(e)
+    for i, p in zip(ids, prompts(6, 6, 6, 6)):
+      self.assertEqual(final[i].outputs[0].token_ids, expected(p, 5))
+    self.assertEqual(e.metrics()["preemptions"], 0)
+    self.assertEqual(e.scheduler.reserved.stats()["free_token_slots"], slots)   # all released
+
+  def test_paged_admits_what_the_reservation_would_not(self):
+    e = self.make(num_pages=40, steps_per_sync=1)   # reservation="paged": the pages decide
+    for p in prompts(6, 6, 6, 6):
+      e.add_request(p, SamplingParams(max_tokens=5))
+    e.step()
+    self.assertEqual(self.fake.events[0][2], [(r, 0, 6) for r in range(4)])
+    self.assertIsNone(e.scheduler.reserved)
+
+  def test_reservation_counts_samples_is_released_on_abort_and_refuses_the_impossible(self):
+    e = self.make(num_pages=40, steps_per_sync=1, reservation="oracle", reservation_tokens=30)
+    a = e.add_request(prompts(6)[0], SamplingParams(max_tokens=5, n=2))   # 2 x 11 = 22 slots
+    b = e.add_request(prompts(0, 6)[1], SamplingParams(max_tokens=5))   # 11 more: must wait
+    e.step()
+    self.assertEqual([g.request_id for g in e.scheduler.waiting], [b])
+    self.assertEqual(e.scheduler.reserved.stats()["reserved_token_slots"], 22)
+    self.assertTrue(e.abort(a))
+    e.step()
+    self.assertEqual(e.scheduler.reserved.stats()["reserved_token_slots"], 11)   # b got in
+    with self.assertRaisesRegex(ValueError, "reserves 33 slots under reservation='oracle'; "
+                                "reservation_tokens is 30"):
+      e.add_request([1] * 6, SamplingParams(max_tokens=5, n=3))
+    self.run_all(e)
+    self.assertEqual(e.scheduler.reserved.stats()["reserved_token_slots"], 0)
+    with self.assertRaisesRegex(ValueError, "reservation='fixed' is not one of"):
+      SchedulerConfig(reservation="fixed")
+
   def test_copy_batches_are_conflict_free(self):
     # The engine issue's 6c batch, in the order its pairs arose.
     pairs = [(2, 5), (2, 6), (4, 2), (4, 6)]
