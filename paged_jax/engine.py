@@ -409,8 +409,7 @@ class Engine:
         self.stats.scrubbed_pages += len(released)
     for request_id, pages in plan.swap_in:
       k, v = self._swap.pop(request_id)
-      self.pool = page_ops.write_pages(self.pool, jnp.asarray(pages, jnp.int32), jnp.asarray(k),
-                                       jnp.asarray(v))
+      self.pool = page_ops.write_pages(self.pool, pages, k, v)
     for pairs in batching.copy_batches(plan.copies):
       src, dst = batching.pad_copy_pairs(pairs)
       page_ops.check_copy_batch(src, dst)

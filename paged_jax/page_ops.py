@@ -52,10 +52,19 @@ def check_copy_batch(src, dst) -> None:
     raise AssertionError(f"copy batch writes NULL_PAGE: {list(zip(src.tolist(), dst.tolist()))}")
 
 
+def _padded(n: int) -> int:
+  """Page counts of swaps are padded to a power of two (with NULL_PAGE), so a run meets a few
+  compiled programs, not one per distinct count."""
+  return 1 << max(0, (n - 1).bit_length())
+
+
 def read_pages(pool: KVPool, pages) -> tuple[np.ndarray, np.ndarray]:
   """Swap-out: host copies (NumPy) of K and V of `pages`, [num_layers, len(pages), page_size, K, D]."""
-  k, v = _read(pool, jnp.asarray(np.asarray(pages, np.int32)))
-  return np.asarray(k), np.asarray(v)
+  pages = np.asarray(pages, np.int32)
+  idx = np.full(_padded(len(pages)), NULL_PAGE, np.int32)
+  idx[:len(pages)] = pages
+  k, v = _read(pool, jnp.asarray(idx))
+  return np.asarray(k)[:, :len(pages)], np.asarray(v)[:, :len(pages)]
 
 
 @jax.jit
@@ -63,19 +72,30 @@ def _read(pool: KVPool, idx: jax.Array):
   return jnp.stack([x[idx] for x in pool.k]), jnp.stack([x[idx] for x in pool.v])
 
 
-@functools.partial(jax.jit, donate_argnames=("pool",))
-def write_pages(pool: KVPool, pages: jax.Array, k: jax.Array, v: jax.Array) -> KVPool:
+def write_pages(pool: KVPool, pages, k, v) -> KVPool:
   """Swap-in: stores host copies back into (new) pages; inverse of `read_pages`.
 
   Args:
     pool: KVPool; donated.
     pages: i32[n] destination pages.
-    k, v: [num_layers, n, page_size, num_kv_heads, head_dim].
+    k, v: [num_layers, n, page_size, num_kv_heads, head_dim] (host or device arrays).
   """
-  want = (pool.num_layers, pages.shape[0], pool.page_size, pool.num_kv_heads, pool.head_dim)
-  if k.shape != want:
-    raise ValueError(f"k shape {k.shape} does not match {pages.shape[0]} pages of a pool with "
-                     f"{pool.num_layers} layers of {pool.k[0].shape}: expected {want}")
+  pages = np.asarray(pages, np.int32)
+  n = len(pages)
+  want = (pool.num_layers, n, pool.page_size, pool.num_kv_heads, pool.head_dim)
+  if tuple(k.shape) != want or tuple(v.shape) != want:
+    raise ValueError(f"k / v shapes {tuple(k.shape)} / {tuple(v.shape)} do not match {n} pages "
+                     f"of a pool with {pool.num_layers} layers of {pool.k[0].shape}: expected "
+                     f"{want}")
+  m = _padded(n)   # padding writes zeros into NULL_PAGE, the scratch page padding rows use
+  idx = np.full(m, NULL_PAGE, np.int32)
+  idx[:n] = pages
+  pad = [(0, 0), (0, m - n)] + [(0, 0)] * 3
+  return _write(pool, jnp.asarray(idx), jnp.pad(jnp.asarray(k), pad), jnp.pad(jnp.asarray(v), pad))
+
+
+@functools.partial(jax.jit, donate_argnames=("pool",))
+def _write(pool: KVPool, pages: jax.Array, k: jax.Array, v: jax.Array) -> KVPool:
   return pool.replace(k=tuple(x.at[pages].set(k[i].astype(pool.dtype)) for i, x in enumerate(pool.k)),
                       v=tuple(x.at[pages].set(v[i].astype(pool.dtype)) for i, x in enumerate(pool.v)))
 

@@ -7,8 +7,8 @@ import numpy as np
 
 from experiments import (allocator_waste, attention_bench, attention_overhead, block_manager_bench,
                          copy_eval, demo,
-                         fragmentation, ondevice_bench, page_size_sweep, pool_map, profile_step,
-                         rate_sweep, serve_bench, sharing, step_bench, train_copy_model)
+                         fragmentation, ondevice_bench, page_size_sweep, pool_map, preemption,
+                         profile_step, rate_sweep, serve_bench, sharing, step_bench, train_copy_model)
 
 
 class ExperimentsTest(absltest.TestCase):
@@ -245,6 +245,25 @@ class ExperimentsTest(absltest.TestCase):
     self.assertEqual(on["prefill_tokens"], on["prompt_tokens"] - on["cached_prompt_tokens"])
     self.assertTrue(on["same_tokens_as_off"])
     self.assertGreater(os.path.getsize(r["png"]), 0)
+
+  def test_preemption(self):
+    import tempfile
+    r = preemption.run(preemption.PreemptionConfig(
+        model="embedded", page_sizes=(4, 16), seq_len=24, reps=1, num_requests=8,
+        tight_pages=12, ample_pages=65, results_dir=tempfile.mkdtemp()), progress=lambda _: None)
+    self.assertEqual([m["pages"] for m in r["per_sequence"]], [6, 2])
+    self.assertTrue(all(m["swap_ms"] > 0 and m["recompute_ms"] > 0 for m in r["per_sequence"]))
+    none, recompute, swap = r["overload"]
+    self.assertEqual(none["preemptions"], 0)
+    self.assertGreater(recompute["preemptions"], 0)
+    self.assertGreater(recompute["recomputed_tokens"], 0)
+    self.assertEqual(recompute["swapped_out_pages"], 0)
+    self.assertGreater(swap["swapped_out_pages"], 0)
+    self.assertTrue(all(x["same_tokens_as_no_preemption"] for x in r["overload"]))
+    self.assertGreater(os.path.getsize(r["png"]), 0)
+    with self.assertRaisesRegex(ValueError, "seq_len=200 \\+ 1 exceeds"):
+      preemption.per_sequence(preemption.PreemptionConfig(seq_len=200), preemption.load_model(
+          "embedded"), 16)
 
   def test_copy_task_data(self):
     rng = np.random.default_rng(0)

@@ -56,6 +56,32 @@ class KVPoolTest(absltest.TestCase):
       write_kv(pool, 0, k, k, jnp.zeros(3, jnp.int32))
 
 
+class SwapPagesTest(absltest.TestCase):
+
+  def test_read_write_round_trip_pads_counts_to_a_power_of_two(self):
+    from paged_jax import page_ops
+    pool = KVPool.create(num_layers=2, num_pages=9, page_size=2, num_kv_heads=1, head_dim=3)
+    rng = np.random.default_rng(0)
+    pool = pool.replace(k=tuple(jnp.asarray(rng.normal(size=x.shape), x.dtype) for x in pool.k),
+                        v=tuple(jnp.asarray(rng.normal(size=x.shape), x.dtype) for x in pool.v))
+    before = [np.asarray(x) for x in pool.k + pool.v]
+    k, v = page_ops.read_pages(pool, [5, 2, 7])
+    self.assertEqual(k.shape, (2, 3, 2, 1, 3))
+    np.testing.assert_array_equal(k[1, 0], before[1][5])
+    np.testing.assert_array_equal(v[0, 2], before[2][7])
+    pool = page_ops.write_pages(pool, [1, 3, 4], k, v)        # 3 pages: padded to 4
+    after = [np.asarray(x) for x in pool.k + pool.v]
+    for i in range(4):
+      np.testing.assert_array_equal(after[i][[1, 3, 4]], before[i][[5, 2, 7]])
+      np.testing.assert_array_equal(after[i][[2, 5, 6, 7, 8]], before[i][[2, 5, 6, 7, 8]])
+    compiled = page_ops._write._cache_size()
+    k4, v4 = page_ops.read_pages(pool, [1, 2, 3, 4])
+    pool = page_ops.write_pages(pool, [5, 6, 7, 8], k4, v4)   # 4 pages: the same program
+    self.assertEqual(page_ops._write._cache_size(), compiled)
+    with self.assertRaisesRegex(ValueError, r"do not match 2 pages"):
+      page_ops.write_pages(pool, [1, 2], k, v)
+
+
 class AddressingTest(absltest.TestCase):
 
   def test_seed_token_37(self):
