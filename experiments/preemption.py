@@ -17,8 +17,11 @@ are the same memory, so the page size barely matters to swap (see the results pa
 
 Under overload: the same burst of `num_requests` requests through `paged_jax.serve` with a pool
 too small for them (`tight_pages`), preempting by recompute and by swap, against a pool that
-never preempts (`ample_pages`): output tokens/s, preemptions, pages swapped, tokens recomputed,
-and the throughput each mode keeps relative to no preemption.
+never preempts (`ample_pages`), and against the same tight budget admitted conservatively
+(`reservation="oracle"`: a request is admitted only when its whole final length fits, so nothing
+is ever preempted, at the price of a smaller batch): output tokens/s, preemptions, pages
+swapped, tokens recomputed, mean batch, and the throughput each keeps relative to the ample
+pool.
 
 Output: stdout, experiments/results/preemption.{jsonl,png}.
 """
@@ -107,14 +110,17 @@ def per_sequence(cfg: PreemptionConfig, model, page_size: int) -> dict:
 def overload(cfg: PreemptionConfig, model) -> list[dict]:
   from paged_jax import serve
   rows = []
-  for label, pages, mode in (("no preemption", cfg.ample_pages, "recompute"),
-                             ("recompute", cfg.tight_pages, "recompute"),
-                             ("swap", cfg.tight_pages, "swap")):
+  for label, pages, mode, reservation in (
+      ("no preemption", cfg.ample_pages, "recompute", "paged"),
+      ("recompute", cfg.tight_pages, "recompute", "paged"),
+      ("swap", cfg.tight_pages, "swap", "paged"),
+      ("oracle reservation", cfg.tight_pages, "recompute", "oracle")):
     sc = serve.ServeConfig(workload=cfg.workload, num_requests=cfg.num_requests, num_pages=pages,
-                           preemption_mode=mode, seed=cfg.seed, warmup=True, progress=False,
-                           enable_prefix_caching=False)
+                           preemption_mode=mode, reservation=reservation, seed=cfg.seed,
+                           warmup=True, progress=False, enable_prefix_caching=False)
     r = serve_warm(sc, model)
     rows.append({"run": label, "num_pages": pages, "preemption_mode": mode,
+                 "reservation": reservation, "mean_decode_batch": r["mean_decode_batch"],
                  "output_tokens_per_s": r["output_tokens_per_s"], "seconds": r["seconds"],
                  "preemptions": r["preemptions"], "swapped_out_pages": r["swapped_out_pages"],
                  "recomputed_tokens": r["recomputed_tokens"], "retraced": r["retraced"],
@@ -138,10 +144,11 @@ def run(cfg: PreemptionConfig, model=None, progress=print) -> dict:
              f"{m['swap_gb_per_s']:.2f} GB/s), recompute {m['recompute_ms']:.3f} ms")
   rows = overload(cfg, model)
   for r in rows:
-    progress(f"{r['run']:14s} {r['num_pages']:5d} pages: {r['output_tokens_per_s']:.0f} tok/s "
+    progress(f"{r['run']:18s} {r['num_pages']:5d} pages: {r['output_tokens_per_s']:.0f} tok/s "
              f"({r['throughput_vs_no_preemption']:.2f}x), {r['preemptions']} preemptions, "
              f"{r['swapped_out_pages']} pages swapped, {r['recomputed_tokens']} tokens "
-             f"recomputed, same tokens: {r['same_tokens_as_no_preemption']}")
+             f"recomputed, batch {r['mean_decode_batch']:.1f}, same tokens: "
+             f"{r['same_tokens_as_no_preemption']}")
   result = {"config": dataclasses.asdict(cfg), "per_sequence": micro, "overload": rows}
   if cfg.results_dir:
     os.makedirs(cfg.results_dir, exist_ok=True)
@@ -166,10 +173,11 @@ def plot(result: dict, path: str) -> str:
   axes[0].set_ylabel("ms per preempted sequence")
   axes[0].set_title(f"{cfg['model']} model, {cfg['seq_len']}-token sequence", fontsize=9)
   axes[0].legend(fontsize=8)
-  axes[1].bar([r["run"] for r in rows], [r["output_tokens_per_s"] for r in rows],
-              color=["#888", "#36c", "#c63"])
+  axes[1].bar([r["run"].replace(" ", "\n") for r in rows],
+              [r["output_tokens_per_s"] for r in rows], color=["#888", "#36c", "#c63", "#3a3"])
   for i, r in enumerate(rows):
-    axes[1].annotate(f"{r['throughput_vs_no_preemption']:.2f}x\n{r['preemptions']} preempted",
+    axes[1].annotate(f"{r['throughput_vs_no_preemption']:.2f}x\n{r['preemptions']} preempted\n"
+                     f"batch {r['mean_decode_batch']:.1f}",
                      (i, r["output_tokens_per_s"]), ha="center", va="top", fontsize=8, color="w")
   axes[1].set_ylabel("output tok/s")
   axes[1].set_title(f"{cfg['num_requests']} {cfg['workload']} requests at once; pool "

@@ -17,8 +17,9 @@ workload:
 2. Poisson runs at `rate_fractions` of the paged engine's saturation rate (the same absolute
    rates for every system), each reporting the paper's normalized latency: the mean over
    sequences of (finish - arrival) / output tokens, queueing included. A run during which JAX
-   traced a new shape (a batch the burst did not meet) is run again (up to twice); `retraced` counts
-   the shapes traced during the kept run (0 in the committed results).
+   traced a new shape (a batch the burst did not meet) is run again (up to 5 runs); `retraced`
+   counts the shapes traced during the kept run, and a point with retraced > 0 (its latency holds
+   a compile) is left out of the sustainable rate and drawn hollow.
 
 The sustainable rate of a system is the highest rate whose normalized latency stays under a
 threshold: `latency_factor` times the paged engine's normalized latency at the lowest rate (the
@@ -31,7 +32,8 @@ Models (`experiments.models`): "embedded", the tiny copy model, whose CPU step t
 in proportion to the batch, so a larger batch buys little throughput; "small", a random Llama
 whose decode step is weight-bound like a GPU's, the regime in which the paper's gains arise.
 
-Output: stdout, experiments/results/rate_sweep.{jsonl,png} (one line and one figure per model).
+Output: stdout, experiments/results/rate_sweep.jsonl (a line per run) and a figure per run:
+rate_sweep.png (embedded model, both workloads), rate_sweep_small_alpaca.png, ...
 """
 
 from __future__ import annotations
@@ -57,17 +59,20 @@ class RateConfig:
   num_requests: int = 300
   kv_pages: int = 33                   # NULL_PAGE included: 32 usable pages
   page_size: int = 16
-  rate_fractions: tuple[float, ...] = (0.1, 0.2, 0.35, 0.5, 0.65, 0.8, 0.95, 1.1, 1.3)
+  rate_fractions: tuple[float, ...] = (0.15, 0.3, 0.5, 0.7, 0.85, 1.0, 1.2, 1.5, 2.0)
   latency_factor: float = 3.0
   seed: int = 0
   progress: bool = True
   results_dir: str | None = RESULTS
 
 
-def sustainable_rate(rates, latencies, threshold: float) -> tuple[float, str]:
+def sustainable_rate(rates, latencies, threshold: float, valid=None) -> tuple[float, str]:
   """(rate, how): the highest rate whose latency is <= threshold, interpolated linearly at the
-  first crossing; how is "interpolated", "at least" (never crossed) or "below" (crossed at once)."""
-  rates, latencies = list(rates), list(latencies)
+  first crossing; how is "interpolated", "at least" (never crossed) or "below" (crossed at once).
+  Points where `valid` is False (a run that kept compiling) are left out."""
+  valid = [True] * len(rates) if valid is None else list(valid)
+  rates = [r for r, ok in zip(rates, valid) if ok]
+  latencies = [x for x, ok in zip(latencies, valid) if ok]
   if latencies[0] > threshold:
     return rates[0], "below"
   for i in range(1, len(rates)):
@@ -104,7 +109,8 @@ def run(cfg: RateConfig, model=None, progress=print) -> dict:
           rates = [f * saturation for f in cfg.rate_fractions]
         points = []
         for rate in rates:
-          r = serve_warm(dataclasses.replace(sc, request_rate=rate, warmup=False), model)
+          r = serve_warm(dataclasses.replace(sc, request_rate=rate, warmup=False), model,
+                         attempts=5)
           bar.update(1)
           points.append({
               "workload": w, "system": system, "request_rate": rate,
@@ -117,11 +123,14 @@ def run(cfg: RateConfig, model=None, progress=print) -> dict:
         curves[system] = {"saturation_req_per_s": saturation,
                           "saturation_tokens_per_s": burst["output_tokens_per_s"],
                           "saturation_mean_batch": burst["mean_decode_batch"],
-                          "latency": [p["normalized_latency_s"] for p in points]}
-      threshold = cfg.latency_factor * curves["paged"]["latency"][0]
+                          "latency": [p["normalized_latency_s"] for p in points],
+                          "clean": [p["retraced"] == 0 for p in points]}
+      paged = curves["paged"]
+      threshold = cfg.latency_factor * next(
+          (x for x, ok in zip(paged["latency"], paged["clean"]) if ok), paged["latency"][0])
       for system, c in curves.items():
-        c["sustainable_rate"], c["sustainable_how"] = sustainable_rate(rates, c["latency"],
-                                                                       threshold)
+        c["sustainable_rate"], c["sustainable_how"] = sustainable_rate(
+            rates, c["latency"], threshold, c["clean"])
       for system, c in curves.items():
         c["paged_ratio"] = curves["paged"]["sustainable_rate"] / c["sustainable_rate"]
       summary[w] = {"rates": rates, "threshold_s": threshold, "systems": curves}
@@ -135,8 +144,9 @@ def run(cfg: RateConfig, model=None, progress=print) -> dict:
     os.makedirs(cfg.results_dir, exist_ok=True)
     with open(os.path.join(cfg.results_dir, "rate_sweep.jsonl"), "a") as f:
       f.write(json.dumps(result) + "\n")
-    name = "rate_sweep.png" if cfg.model == "embedded" else f"rate_sweep_{cfg.model}.png"
-    result["png"] = plot(result, os.path.join(cfg.results_dir, name))
+    name = "_".join(["rate_sweep"] + ([] if cfg.model == "embedded" else [cfg.model]) +
+                    ([] if set(cfg.workloads) == {"sharegpt", "alpaca"} else list(cfg.workloads)))
+    result["png"] = plot(result, os.path.join(cfg.results_dir, name + ".png"))
   return result
 
 
@@ -151,8 +161,13 @@ def plot(result: dict, path: str) -> str:
     for system, c in s["systems"].items():
       label = (f"{system} (sustains {'>=' if c['sustainable_how'] == 'at least' else ''}"
                f"{c['sustainable_rate']:.1f}/s)")
-      ax.plot(s["rates"], [1e3 * v for v in c["latency"]], marker="o", color=colors[system],
-              label=label)
+      clean = c.get("clean", [True] * len(s["rates"]))
+      pts = [(r, 1e3 * v) for r, v, ok in zip(s["rates"], c["latency"], clean) if ok]
+      ax.plot(*zip(*pts), marker="o", color=colors[system], label=label)
+      compiled = [(r, 1e3 * v) for r, v, ok in zip(s["rates"], c["latency"], clean) if not ok]
+      if compiled:
+        ax.plot(*zip(*compiled), linestyle="none", marker="o", markerfacecolor="none",
+                color=colors[system])
     ax.axhline(1e3 * s["threshold_s"], color="k", linestyle=":", linewidth=0.8,
                label=f"threshold {1e3 * s['threshold_s']:.0f} ms/token")
     ax.set_yscale("log")

@@ -4,6 +4,7 @@
   python -m paged_jax.serve --prompt="h e l l o" --prompt="p a g e d"   # the embedded copy model
   python -m paged_jax.serve --model=/path/to/hf_dir --prompts_file=requests.jsonl
   python -m paged_jax.serve --workload=alpaca --num_requests=500 --request_rate=20 --json=out.json
+  python -m paged_jax.serve --num_pages=33 --reservation=max  # a contiguous baseline of the paper
 
 Requests come from --prompt flags (text, through the checkpoint's tokenizer), from a JSONL file
 (one object per line: "prompt" text or "prompt_token_ids", and optionally max_tokens, temperature,

@@ -5,6 +5,7 @@ Not imported by the library itself.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Sequence
 
 import jax
@@ -93,6 +94,62 @@ def pages_to_dense(pages, block_tables, seq_lens):
   for b, n in enumerate(np.asarray(seq_lens)):
     dense[b, n:] = 0
   return dense
+
+
+def naive_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
+                          scale: float | None = None, sliding_window: int | None = None,
+                          soft_cap: float | None = None) -> np.ndarray:
+  """Attention written out the slow way, as an oracle independent of every fast path.
+
+  NumPy float64, explicit loops over sequences, queries, heads and keys; each key is found
+  through the block table (page = table[p // page_size], slot p % page_size) and masked by its
+  own three conditions (causal, inside seq_len, inside the window). It shares no helper with
+  `dense_attention`, `paged_attention_xla` or the kernel (no `attention_mask`, no
+  `ragged_to_padded`), so a bug in those cannot hide by being in both sides of a comparison.
+  Use it on small shapes: it is O(tokens x heads x keys) Python.
+
+  Args: as `paged_attention` (q [num_tokens, num_q_heads, head_dim], pages [num_pages,
+    page_size, num_kv_heads, head_dim], block_tables [num_seqs, width], seq_lens [num_seqs],
+    cu_q_lens [num_seqs + 1]).
+
+  Returns:
+    f64[num_tokens, num_q_heads, head_dim]; tokens past cu_q_lens[-1] and queries that see no
+    key are zeros.
+  """
+  q = np.asarray(q, np.float64)
+  k_pages = np.asarray(k_pages, np.float64)
+  v_pages = np.asarray(v_pages, np.float64)
+  tables, lens, cu = (np.asarray(x).tolist() for x in (block_tables, seq_lens, cu_q_lens))
+  num_tokens, num_q_heads, head_dim = q.shape
+  page_size, num_kv_heads = k_pages.shape[1], k_pages.shape[2]
+  group = num_q_heads // num_kv_heads
+  scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+  out = np.zeros((num_tokens, num_q_heads, head_dim))
+  for b in range(len(lens)):
+    first, last = cu[b], cu[b + 1]
+    for i in range(first, last):
+      position = lens[b] - (last - first) + (i - first)   # this query's position
+      for h in range(num_q_heads):
+        kv_head = h // group
+        scores, values = [], []
+        for p in range(lens[b]):
+          if p > position:
+            continue   # causal
+          if sliding_window is not None and position - p >= sliding_window:
+            continue   # outside the window
+          page, slot = tables[b][p // page_size], p % page_size
+          s = float(np.dot(q[i, h], k_pages[page, slot, kv_head])) * scale
+          if soft_cap is not None:
+            s = soft_cap * math.tanh(s / soft_cap)
+          scores.append(s)
+          values.append(v_pages[page, slot, kv_head])
+        if not scores:
+          continue
+        top = max(scores)
+        weights = [math.exp(s - top) for s in scores]
+        total = sum(weights)
+        out[i, h] = sum(w * v for w, v in zip(weights, values)) / total
+  return out
 
 
 def paged_from_dense(k, v, seq_lens, page_size: int, *, seed: int = 0, poison: bool = True,

@@ -201,6 +201,9 @@ class ExperimentsTest(absltest.TestCase):
     self.assertEqual(rate_sweep.sustainable_rate(rates, lat, 3.5), (2.5, "interpolated"))
     self.assertEqual(rate_sweep.sustainable_rate(rates, lat, 9.0), (3.0, "at least"))
     self.assertEqual(rate_sweep.sustainable_rate(rates, lat, 0.5), (1.0, "below"))
+    # A point whose run kept compiling is left out: the crossing moves past it.
+    self.assertEqual(rate_sweep.sustainable_rate(rates, [1.0, 9.0, 2.0], 3.5, [True, False, True]),
+                     (3.0, "at least"))
 
   def test_rate_sweep_reservation_drives_admission(self):
     import tempfile
@@ -253,7 +256,8 @@ class ExperimentsTest(absltest.TestCase):
         tight_pages=12, ample_pages=65, results_dir=tempfile.mkdtemp()), progress=lambda _: None)
     self.assertEqual([m["pages"] for m in r["per_sequence"]], [6, 2])
     self.assertTrue(all(m["swap_ms"] > 0 and m["recompute_ms"] > 0 for m in r["per_sequence"]))
-    none, recompute, swap = r["overload"]
+    none, recompute, swap, oracle = r["overload"]
+    self.assertEqual(oracle["preemptions"], 0)   # reservation admits only what fits to the end
     self.assertEqual(none["preemptions"], 0)
     self.assertGreater(recompute["preemptions"], 0)
     self.assertGreater(recompute["recomputed_tokens"], 0)

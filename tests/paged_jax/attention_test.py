@@ -204,6 +204,44 @@ class PrefillAttentionTest(parameterized.TestCase):
     chex.assert_trees_all_close(out, _reference(*inp, soft_cap=3.0), **TOL[jnp.float32])
 
 
+class IndependentReferenceTest(parameterized.TestCase):
+  """The XLA path and the dense reference against `testing.naive_paged_attention`: float64 loops
+  with their own masking, sharing no helper (`attention_mask`, `ragged_to_padded`) with either,
+  so a bug in a shared helper cannot hide on both sides of a comparison."""
+
+  def test_the_oracle_reproduces_the_seeds_example(self):
+    K = np.array([[0.0, 1.0], [math.log(2), 0.0], [math.log(3), 1.0], [math.log(4), -1.0]])
+    V = np.array([[1.0, 0.0], [0.0, 2.0], [3.0, 1.0], [2.0, 4.0]])
+    k_pages = np.full((10, 2, 1, 2), np.nan)
+    v_pages = np.full((10, 2, 1, 2), np.nan)
+    k_pages[9, :, 0], k_pages[2, :, 0] = K[:2], K[2:]
+    v_pages[9, :, 0], v_pages[2, :, 0] = V[:2], V[2:]
+    out = testing.naive_paged_attention(np.array([[[math.sqrt(2), 0.0]]]), k_pages, v_pages,
+                                        [[9, 2]], [4], [0, 1])
+    np.testing.assert_allclose(out[0, 0], [1.8, 2.3], atol=1e-12)
+
+  @parameterized.parameters(
+      dict(page_size=1, q_per_kv=1, window=None, cap=None),
+      dict(page_size=4, q_per_kv=2, window=1, cap=None),
+      dict(page_size=4, q_per_kv=4, window=3, cap=2.5),
+      dict(page_size=4, q_per_kv=1, window=4, cap=None),
+      dict(page_size=4, q_per_kv=2, window=5, cap=30.0),
+      dict(page_size=16, q_per_kv=4, window=100, cap=None),
+      dict(page_size=16, q_per_kv=2, window=17, cap=2.5),
+  )
+  def test_xla_and_dense_match_the_oracle(self, page_size, q_per_kv, window, cap):
+    seq_lens = [page_size + 1, 1, 3 * page_size + 2, 9, 0, 2 * page_size, 3 * page_size - 1]
+    q_lens = [page_size + 1, 1, 5, 1, 0, page_size, 1]
+    inp = testing.random_paged_inputs(11, seq_lens, q_lens=q_lens, page_size=page_size,
+                                      num_kv_heads=2, q_per_kv=q_per_kv, pad_tokens=2)
+    kw = dict(sliding_window=window, soft_cap=cap, scale=0.3)
+    oracle = testing.naive_paged_attention(*inp, **kw)
+    xla = attention.paged_attention(*inp, impl="xla", pages_per_block=1, **kw)
+    dense = _reference(*inp, **kw)
+    for out in (xla, dense):
+      np.testing.assert_allclose(np.asarray(out, np.float64), oracle, **TOL[jnp.float32])
+
+
 class SeedExamplesTest(absltest.TestCase):
   """The worked numbers of the seeds (section 10 and 11 of the first document), exactly."""
 

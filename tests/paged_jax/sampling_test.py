@@ -22,7 +22,8 @@ def draw(params: SamplingParams, logits=LOGITS, draws=DRAWS, seed=5) -> np.ndarr
 
 def assert_frequencies(test, tokens, probs):
   """Each frequency within 5 binomial standard deviations of its probability (and zero where the
-  probability is zero)."""
+  probability is zero). A correct sampler fails one token's bound with probability ~6e-7 (normal
+  tail beyond 5 sigma), a 6-token check ~3e-6; the draws are seeded, so a run is reproducible."""
   freq = np.bincount(tokens, minlength=len(probs)) / len(tokens)
   sigma = np.sqrt(np.asarray(probs) * (1 - np.asarray(probs)) / len(tokens))
   for f, p, s in zip(freq, probs, sigma):
@@ -55,6 +56,17 @@ class SamplerTest(parameterized.TestCase):
     p = np.exp(LOGITS) * (np.arange(6) < 2)
     assert_frequencies(self, draw(SamplingParams(temperature=1.0, top_k=4, top_p=0.6)),
                        p / p.sum())
+
+  def test_temperature_applies_before_the_filters(self):
+    # The documented order: logits / temperature, then top-k, then top-p. Temperature 2 flattens
+    # the distribution to sqrt(p) (.277, .219, .170, .139, ...): mass before each token 0, .277,
+    # .496, .666, .805 -> top_p 0.7 keeps four tokens. Filtering first would keep three.
+    p = np.exp(LOGITS / 2)
+    p /= p.sum()
+    keep = (np.cumsum(p) - p) < 0.7
+    self.assertEqual(int(keep.sum()), 4)
+    q = p * keep
+    assert_frequencies(self, draw(SamplingParams(temperature=2.0, top_p=0.7)), q / q.sum())
 
   def test_rows_with_different_settings_in_one_batch(self):
     settings = [SamplingParams(), SamplingParams(temperature=1.0, top_k=1),

@@ -115,6 +115,52 @@ class PagedAttentionKernelInterpretTest(PagedAttentionKernelTest):
   interpret = True
 
 
+def _edge_cases():
+  """A generated matrix (page size 4): every window kind (1, page - 1, page, page + 1, longer
+  than any sequence) with 1, 2, 3 and 4 splits, GQA groups 1, 4 and 8 and soft cap on and off
+  cycling through it, in mixed launches; plus pure decode and pure prefill launches per group.
+  The decode rows' lengths 61-64 put a window's first key on every offset of a page (its last
+  slot included), and 64+ keys make 4-5 blocks of 16, so every split holds keys."""
+  cases = []
+  groups = (1, 4, 8)
+  windows = (1, 3, 4, 5, 200)
+  for i, window in enumerate(windows):
+    for splits in (1, 2, 3, 4):
+      j = 4 * i + splits
+      cases.append(dict(testcase_name=f"window{window}_splits{splits}", mode="mixed",
+                        window=window, splits=splits, group=groups[j % 3],
+                        cap=2.5 if j % 2 else None))
+  for group in groups:
+    for mode in ("decode", "prefill"):
+      cases.append(dict(testcase_name=f"{mode}_group{group}", mode=mode, window=5, splits=3,
+                        group=group, cap=2.5))
+  return cases
+
+
+class KernelEdgeMatrixTest(parameterized.TestCase):
+  """The kernel in interpret mode against `testing.naive_paged_attention`, the independent
+  float64 oracle (no helper shared with the reference or the XLA path)."""
+
+  @parameterized.named_parameters(*_edge_cases())
+  def test_against_the_independent_oracle(self, mode, window, splits, group, cap):
+    if mode == "decode":
+      seq_lens, q_lens = [61, 62, 63, 64, 9], [1] * 5
+    elif mode == "prefill":
+      seq_lens, q_lens = [9, 70, 33], [9, 6, 33]
+    else:   # decode rows whose windows start on every page offset, a chunk, a full prompt
+      seq_lens, q_lens = [61, 62, 63, 64, 70, 9, 0], [1, 1, 1, 1, 6, 9, 0]
+    num_kv_heads = 1 if group == 8 else 2
+    inp = testing.random_paged_inputs(window + splits, seq_lens, q_lens=q_lens, page_size=4,
+                                      num_kv_heads=num_kv_heads, q_per_kv=group, head_dim=16,
+                                      pad_tokens=1)
+    kw = dict(sliding_window=window, soft_cap=cap, scale=0.3)
+    out = kernel_triton.paged_attention(
+        *inp, max_q_len=max(q_lens), interpret=True,
+        block_sizes=kernel_triton.BlockSizes(num_splits=splits, pages_per_block=4), **kw)
+    oracle = testing.naive_paged_attention(*inp, **kw)
+    np.testing.assert_allclose(np.asarray(out, np.float64), oracle, **TOL[jnp.float32])
+
+
 class KernelLoweringTest(parameterized.TestCase):
   """Lowers the kernel for CUDA on a CPU, so Triton lowering errors surface without a GPU."""
 
