@@ -21,9 +21,9 @@ import os
 
 from absl import app, flags
 
-from experiments import attention_bench
+from experiments import attention_bench, output
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results")
+RESULTS = output.RESULTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,12 +64,7 @@ def run(cfg: OverheadConfig, progress=print) -> dict:
                f"ms, paged {point['paged_ms']:8.3f} ms, overhead {100 * point['overhead']:+6.1f}%")
   gpu = _gpu_records(cfg.results_dir)
   result = {"config": dataclasses.asdict(cfg), "points": points, "gpu_records": gpu}
-  if cfg.results_dir:
-    os.makedirs(cfg.results_dir, exist_ok=True)
-    with open(os.path.join(cfg.results_dir, "attention_overhead.jsonl"), "a") as f:
-      f.write(json.dumps(result) + "\n")
-    result["png"] = plot(result, os.path.join(cfg.results_dir, "attention_overhead.png"))
-  return result
+  return output.record(result, cfg.results_dir, "attention_overhead", plot)
 
 
 def _gpu_records(results_dir: str | None) -> list[dict]:
@@ -82,9 +77,7 @@ def _gpu_records(results_dir: str | None) -> list[dict]:
 
 
 def plot(result: dict, path: str) -> str:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = output.pyplot()
   fig, ax = plt.subplots(figsize=(6, 3.4))
   points = result["points"]
   for batch in sorted({p["batch"] for p in points}):
@@ -98,10 +91,7 @@ def plot(result: dict, path: str) -> str:
   ax.set_ylabel("paged / contiguous - 1 (%)")
   ax.set_title("Decode attention overhead of paging (XLA path, CPU)")
   ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path
+  return output.save_figure(fig, path)
 
 
 def main(_):

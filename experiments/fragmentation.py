@@ -22,15 +22,15 @@ Where the allocators' exact counts differ from the seed's rounded figures the re
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 from absl import app, flags
 
+from experiments import output
 from paged_jax.host import baselines
 from paged_jax.host.block_manager import BlockManager
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results")
+RESULTS = output.RESULTS
 KIB, GIB = 1024, 1024 ** 3
 
 
@@ -124,10 +124,8 @@ def run(cfg: FragmentationConfig) -> dict:
       },
   }
   record["notes"] = notes(cfg, record)
+  output.record(record, cfg.results_dir, "fragmentation")
   if cfg.results_dir:
-    os.makedirs(cfg.results_dir, exist_ok=True)
-    with open(os.path.join(cfg.results_dir, "fragmentation.jsonl"), "a") as f:
-      f.write(json.dumps(record) + "\n")
     plot(record, os.path.join(cfg.results_dir, "fragmentation.png"))
   return record
 
@@ -156,9 +154,7 @@ def notes(cfg: FragmentationConfig, r: dict) -> list[str]:
 
 
 def plot(r: dict, path: str) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = output.pyplot()
   e, s = r["eight_requests"], r["sharing"]
   fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
   ax = axes[0]
@@ -176,9 +172,7 @@ def plot(r: dict, path: str) -> None:
          [gb(s["unshared_bytes"]), gb(s["shared_bytes"])], color=["#c44", "#48c"])
   ax.set_ylabel("GiB")
   ax.set_title(f"1,000-token prompt x 4 completions: -{100 * s['saving']:.0f}%")
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  output.save_figure(fig, path)
 
 
 def report(r: dict) -> str:

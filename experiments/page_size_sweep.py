@@ -19,14 +19,12 @@ Output: stdout, experiments/results/page_size_sweep.{jsonl,png}.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 
 from absl import app, flags
 
-from experiments import allocator_waste, attention_bench, attention_overhead
+from experiments import allocator_waste, attention_bench, attention_overhead, output
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results")
+RESULTS = output.RESULTS
 
 # WORKLOADS.md: time-averaged last-page waste from the real length data (page sizes 8-256).
 REAL_DATA_WASTE = {"sharegpt": {8: 0.0075, 16: 0.0160, 32: 0.0326, 64: 0.0640, 128: 0.122},
@@ -73,18 +71,11 @@ def run(cfg: SweepConfig, progress=print) -> dict:
         for w in cfg.workloads) + f"; attention {row['attention_paged_ms']:.3f} ms paged, "
         f"{row['attention_contiguous_ms']:.3f} ms contiguous")
   result = {"config": dataclasses.asdict(cfg), "rows": rows}
-  if cfg.results_dir:
-    os.makedirs(cfg.results_dir, exist_ok=True)
-    with open(os.path.join(cfg.results_dir, "page_size_sweep.jsonl"), "a") as f:
-      f.write(json.dumps(result) + "\n")
-    result["png"] = plot(result, os.path.join(cfg.results_dir, "page_size_sweep.png"))
-  return result
+  return output.record(result, cfg.results_dir, "page_size_sweep", plot)
 
 
 def plot(result: dict, path: str) -> str:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = output.pyplot()
   rows, cfg = result["rows"], result["config"]
   x = [r["page_size"] for r in rows]
   fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
@@ -106,10 +97,7 @@ def plot(result: dict, path: str) -> str:
     ax.set_xlabel("page size (tokens)")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path
+  return output.save_figure(fig, path)
 
 
 def main(_):

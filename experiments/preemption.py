@@ -29,16 +29,15 @@ Output: stdout, experiments/results/preemption.{jsonl,png}.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import time
 
 from absl import app, flags
 import numpy as np
 
+from experiments import output
 from experiments.models import MODELS, load_model, serve_warm
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results")
+RESULTS = output.RESULTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,18 +149,11 @@ def run(cfg: PreemptionConfig, model=None, progress=print) -> dict:
              f"recomputed, batch {r['mean_decode_batch']:.1f}, same tokens: "
              f"{r['same_tokens_as_no_preemption']}")
   result = {"config": dataclasses.asdict(cfg), "per_sequence": micro, "overload": rows}
-  if cfg.results_dir:
-    os.makedirs(cfg.results_dir, exist_ok=True)
-    with open(os.path.join(cfg.results_dir, "preemption.jsonl"), "a") as f:
-      f.write(json.dumps(result) + "\n")
-    result["png"] = plot(result, os.path.join(cfg.results_dir, "preemption.png"))
-  return result
+  return output.record(result, cfg.results_dir, "preemption", plot)
 
 
 def plot(result: dict, path: str) -> str:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = output.pyplot()
   cfg, micro, rows = result["config"], result["per_sequence"], result["overload"]
   fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
   x = [m["page_size"] for m in micro]
@@ -182,10 +174,7 @@ def plot(result: dict, path: str) -> str:
   axes[1].set_ylabel("output tok/s")
   axes[1].set_title(f"{cfg['num_requests']} {cfg['workload']} requests at once; pool "
                     f"{cfg['tight_pages'] - 1} vs {cfg['ample_pages'] - 1} pages", fontsize=9)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path
+  return output.save_figure(fig, path)
 
 
 def main(_):

@@ -39,15 +39,13 @@ rate_sweep.png (embedded model, both workloads), rate_sweep_small_alpaca.png, ..
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-import os
 
 from absl import app, flags
 
+from experiments import output
 from experiments.models import MODELS, load_model, serve_warm
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results")
+RESULTS = output.RESULTS
 SYSTEMS = ("paged", "oracle", "pow2", "max")
 
 
@@ -140,20 +138,13 @@ def run(cfg: RateConfig, model=None, progress=print) -> dict:
           f"saturation {c['saturation_req_per_s']:.1f} req/s at batch "
           f"{c['saturation_mean_batch']:.1f}" for s, c in curves.items()))
   result = {"config": dataclasses.asdict(cfg), "rows": rows, "summary": summary}
-  if cfg.results_dir:
-    os.makedirs(cfg.results_dir, exist_ok=True)
-    with open(os.path.join(cfg.results_dir, "rate_sweep.jsonl"), "a") as f:
-      f.write(json.dumps(result) + "\n")
-    name = "_".join(["rate_sweep"] + ([] if cfg.model == "embedded" else [cfg.model]) +
+  figure = "_".join(["rate_sweep"] + ([] if cfg.model == "embedded" else [cfg.model]) +
                     ([] if set(cfg.workloads) == {"sharegpt", "alpaca"} else list(cfg.workloads)))
-    result["png"] = plot(result, os.path.join(cfg.results_dir, name + ".png"))
-  return result
+  return output.record(result, cfg.results_dir, "rate_sweep", plot, figure + ".png")
 
 
 def plot(result: dict, path: str) -> str:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = output.pyplot()
   cfg, summary = result["config"], result["summary"]
   fig, axes = plt.subplots(1, len(summary), figsize=(5.5 * len(summary), 3.8), squeeze=False)
   colors = {"paged": "#c33", "oracle": "#36c", "pow2": "#3a3", "max": "#888"}
@@ -176,10 +167,7 @@ def plot(result: dict, path: str) -> str:
     ax.set_title(f"{w}: {cfg['model']} model, {cfg['kv_pages'] - 1} pages x "
                  f"{cfg['page_size']} tokens", fontsize=9)
     ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path
+  return output.save_figure(fig, path)
 
 
 def main(_):

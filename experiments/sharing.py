@@ -38,9 +38,10 @@ import os
 from absl import app, flags
 import numpy as np
 
+from experiments import output
 from experiments.models import MODELS, load_model, serve_warm
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results")
+RESULTS = output.RESULTS
 PAPER = {("alpaca", "parallel"): (6.1, 9.8), ("sharegpt", "parallel"): (16.2, 30.5),
          ("alpaca", "beam"): (37.6, 55.2), ("sharegpt", "beam"): (44.3, 66.3)}
 PREFIX_WORKLOADS = ("system_prompt", "few_shot")
@@ -203,18 +204,11 @@ def run(cfg: SharingConfig, model=None, progress=print) -> dict:
                  f"prefill tokens saved (hit rate {100 * r['hit_rate']:.1f}%), normalized latency "
                  + (f"x{r['latency_ratio']:.2f}" if clean else "not compared (a run compiled)")
                  + f"; same tokens as off: {r['same_tokens_as_off']}")
-  if cfg.results_dir:
-    os.makedirs(cfg.results_dir, exist_ok=True)
-    with open(os.path.join(cfg.results_dir, "sharing.jsonl"), "a") as f:
-      f.write(json.dumps(result) + "\n")
-    result["png"] = plot(result, os.path.join(cfg.results_dir, "sharing.png"))
-  return result
+  return output.record(result, cfg.results_dir, "sharing", plot)
 
 
 def plot(result: dict, path: str) -> str:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = output.pyplot()
   mem, pre = result["memory"], result["prefix"]
   panels = ([("parallel", "parallel sampling"), ("beam", "beam search")] if mem else []) + (
       [("prefix", "prefix caching")] if pre else [])
@@ -248,10 +242,7 @@ def plot(result: dict, path: str) -> str:
       ax.set_ylabel("KV memory saved (%)")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path
+  return output.save_figure(fig, path)
 
 
 def main(_):
