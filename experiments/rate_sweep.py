@@ -39,6 +39,7 @@ rate_sweep.png (embedded model, both workloads), rate_sweep_small_alpaca.png, ..
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from absl import app, flags
 
@@ -66,11 +67,14 @@ class RateConfig:
 
 def sustainable_rate(rates, latencies, threshold: float, valid=None) -> tuple[float, str]:
   """(rate, how): the highest rate whose latency is <= threshold, interpolated linearly at the
-  first crossing; how is "interpolated", "at least" (never crossed) or "below" (crossed at once).
+  first crossing; how is "interpolated", "at least" (never crossed), "below" (crossed at once)
+  or "no clean run".
   Points where `valid` is False (a run that kept compiling) are left out."""
   valid = [True] * len(rates) if valid is None else list(valid)
   rates = [r for r, ok in zip(rates, valid) if ok]
   latencies = [x for x, ok in zip(latencies, valid) if ok]
+  if not rates:
+    return math.nan, "no clean run"
   if latencies[0] > threshold:
     return rates[0], "below"
   for i in range(1, len(rates)):

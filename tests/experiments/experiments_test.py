@@ -204,6 +204,9 @@ class ExperimentsTest(absltest.TestCase):
     # A point whose run kept compiling is left out: the crossing moves past it.
     self.assertEqual(rate_sweep.sustainable_rate(rates, [1.0, 9.0, 2.0], 3.5, [True, False, True]),
                      (3.0, "at least"))
+    rate, how = rate_sweep.sustainable_rate(rates, lat, 3.5, [False] * 3)
+    self.assertTrue(np.isnan(rate))
+    self.assertEqual(how, "no clean run")
 
   def test_rate_sweep_reservation_drives_admission(self):
     import tempfile
