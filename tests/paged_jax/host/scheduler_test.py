@@ -309,7 +309,10 @@ class PolicyPropertyTest(absltest.TestCase):
   request, admission is first come first served, a k-step round reserves room for k tokens per
   sequence, and every request still gets exactly its tokens."""
 
-  @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+  # differing_executors: runners that call the method on several instances (mutmut) trip it;
+  # each example builds its own engine, so nothing is shared between executors.
+  @settings(max_examples=60, deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.differing_executors])
   @given(num_pages=st.integers(6, 24), page_size=st.sampled_from([1, 2, 4, 8]),
          k=st.integers(1, 4), mode=st.sampled_from(["recompute", "swap"]),
          requests=st.lists(st.tuples(st.integers(1, 12), st.integers(1, 10)), min_size=1,
