@@ -231,6 +231,24 @@ def run(cfg: BenchConfig, copy_bytes_per_s: float | None = None) -> list[dict]:
   return records
 
 
+def kernel_note(cfg: BenchConfig) -> str:
+  """The kernel's planned tiles for this shape, and the CPU-side PTX estimate of its registers
+  and occupancy (experiments/kernel_ptx.py's table) to read a GPU timing against."""
+  from experiments import kernel_ptx   # pylint: disable=import-outside-toplevel
+  group = cfg.num_q_heads // cfg.num_kv_heads
+  max_q_len = int(cfg.q_lens.max())
+  p = kernel_triton.plan(cfg.num_seqs, cfg.num_kv_heads, group, max_q_len,
+                         -(-cfg.seq_len // cfg.page_size), cfg.page_size,
+                         kernel_triton.BlockSizes(), head_dim=cfg.head_dim, dtype=cfg.dtype)
+  tiles = (f"pallas tiles: {p.block_rows} rows, {p.block_tokens} keys per step, {p.num_warps} "
+           f"warps, {p.num_stages} stages, {p.num_splits} splits")
+  est = kernel_ptx.estimate(cfg.dtype, "highest", cfg.head_dim, cfg.page_size, cfg.mode, group)
+  if est is None or est.get("regs") is None:
+    return tiles + "; no CPU-side PTX estimate (run python -m experiments.kernel_ptx)"
+  return (tiles + f"; CPU-side PTX estimate for sm_90 ({est['label']}): {est['regs']} registers, "
+          f"{est['programs']} programs/SM ({est['occupancy']:.0%} occupancy, {est['limit']}-bound)")
+
+
 def format_records(records: Sequence[dict]) -> str:
   lines = []
   for r in records:
@@ -296,6 +314,8 @@ def main(argv):
             f"{str(e)[:120]})", flush=True)
       continue
     print(format_records(records), flush=True)
+    if "pallas" in {r["impl"] for r in records}:
+      print("  " + kernel_note(cfg), flush=True)
     with open(_OUT.value, "a") as f:
       for r in records:
         f.write(json.dumps(r) + "\n")

@@ -151,14 +151,16 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
                     sliding_window: int | None = None, soft_cap: float | None = None,
                     return_lse: bool = False, impl: str = "auto",
                     pages_per_block: int | None = None,
-                    block_sizes: kernel_triton.BlockSizes | None = None, interpret: bool = False):
+                    block_sizes: kernel_triton.BlockSizes | None = None, interpret: bool = False,
+                    precision: str = "highest"):
   """Ragged paged attention; dispatches to the Pallas kernel or the XLA path.
 
   `impl="auto"` runs the Triton kernel on CUDA GPUs of compute capability >= 8.0 (when the shapes
   suit it) and the XLA path everywhere else; "xla" and "pallas" force one. Forcing "pallas" where
   it cannot run compiled raises a ValueError saying why, unless `interpret=True` (Pallas' CPU
   interpreter, for tests). Arguments are those of `paged_attention_xla`; `pages_per_block` tunes
-  the XLA path, `block_sizes` the kernel.
+  the XLA path, `block_sizes` and `precision` the kernel (`kernel_triton.PRECISIONS`; the XLA
+  path always computes at "highest").
   """
   if impl not in IMPLS:
     raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
@@ -178,7 +180,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
   if use_kernel:
     return kernel_triton.paged_attention(
         q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens,
-        block_sizes=block_sizes or kernel_triton.BlockSizes(), interpret=interpret, **kw)
+        block_sizes=block_sizes or kernel_triton.BlockSizes(), interpret=interpret,
+        precision=precision, **kw)
   return paged_attention_xla(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens,
                              pages_per_block=pages_per_block, **kw)
 

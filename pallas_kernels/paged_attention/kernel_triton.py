@@ -7,8 +7,9 @@ causal at positions kv_len - q_len + i). The grid is (seq, kv head, row block x 
     of one KV head, so each K/V page is read once per KV head (GQA / MQA);
   - long contexts are split across `num_splits` programs (flash-decoding); the number of splits
     follows the work size (seqs x KV heads x row blocks against the pages to read), not a constant;
-  - each program walks its pages `pages_per_block` at a time, reading page ids from the block
-    table inside the kernel, with an online softmax in f32; it writes its partial state (m, l, u)
+  - each program walks its keys `block_tokens` at a time (several whole pages, or a slice of one
+    page when pages are larger than a step), reading page ids from the block table inside the
+    kernel, with an online softmax in f32; it writes its partial state (m, l, u)
     in f32, and the splits are merged exactly outside the kernel by the seeds' section-11 rule
     (`merge.merge_along`).
 
@@ -16,7 +17,18 @@ NaN-safe: scores of invisible keys become -inf and V rows past a sequence's leng
 before the value product, so a NaN in a stale slot, a free page or NULL_PAGE never reaches an
 output; a row with no visible key gets zeros. Head dims that are not powers of two (80, 96) are
 handled as a sum of power-of-two chunks (64 + 16, 64 + 32): Triton loads need power-of-two shapes,
-and this needs no copy of the pool. f32 dots run at HIGHEST precision (IEEE, not TF32).
+and this needs no copy of the pool.
+
+f32 dots run at the `precision` the caller picks (see `PRECISIONS`): "highest" (IEEE f32 on FMA
+units, the default and what the exactness tests use), "tf32x3" (three TF32 tensor-core passes,
+near-f32 accuracy) or "default" (one TF32 pass). bf16 inputs always take the bf16 tensor-core dot
+with f32 accumulation. In interpret mode (where XLA's CPU dot is always exact f32) the two TF32
+settings are emulated by rounding the operands to TF32 with `lax.reduce_precision`, so their error
+can be measured without a GPU (experiments/kernel_ptx.py --errors).
+
+Tiles (rows per program, keys per inner step, warps) are chosen per dtype, precision and head_dim
+in `plan` so that every configuration compiles without register spills for sm_80 and sm_90;
+experiments/kernel_ptx.py checks that with pip Triton's compiler and ptxas (CI runs it).
 
 Runs compiled on a GPU, or on a CPU with `interpret=True` (Pallas' HLO interpreter).
 Never imports paged_jax.
@@ -38,7 +50,38 @@ from pallas_kernels.paged_attention.reference import (check_static_args, empty_r
 
 NULL_PAGE = 0   # same convention as paged_jax.state (this package may not import it)
 _HIGHEST = jax.lax.Precision.HIGHEST
+# precision name -> what the f32 dots run on a GPU, and the max abs error of the output it
+# promises against exact attention for unit-normal inputs (tests/pallas_kernels PrecisionTest;
+# measured by `python -m experiments.kernel_ptx --errors`, TF32 emulated in interpret mode).
+PRECISIONS = {
+    "highest": "IEEE f32 (FMA units); error <= 1e-5",
+    "tf32x3": "3 TF32 passes (hi*hi + hi*lo + lo*hi, tensor cores); error <= 1e-5",
+    "default": "1 TF32 pass (10-bit mantissa operands, tensor cores); error <= 5e-3",
+}
+_TF32_BITS = dict(exponent_bits=8, mantissa_bits=10)
 _MIN_DOT = 16   # Triton's smallest dot dimension
+
+
+def _dot(a, b, dims, precision: str, interpret: bool):
+  """f32 dot_general of two tiles at `precision` (a PRECISIONS key); bf16 tiles ignore it."""
+  dot = functools.partial(jax.lax.dot_general, dimension_numbers=(dims, ((), ())),
+                          preferred_element_type=jnp.float32)
+  if a.dtype != jnp.float32:
+    return dot(a, b, precision=_HIGHEST)
+  if precision == "highest":
+    return dot(a, b, precision=_HIGHEST)
+  if not interpret:   # the GPU's tensor cores do the TF32 rounding
+    return dot(a, b, precision=(jax.lax.Precision.DEFAULT if precision == "default" else
+                                jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3))
+  # Interpret mode: XLA's CPU dot is exact f32, so round the operands as the tensor cores would
+  # (round-to-nearest here; hardware TF32 may truncate, within the promised bound).
+  hi = lambda x: jax.lax.reduce_precision(x, **_TF32_BITS)
+  a_hi, b_hi = hi(a), hi(b)
+  out = dot(a_hi, b_hi, precision=_HIGHEST)
+  if precision == "tf32x3":
+    out = out + dot(a_hi, hi(b - b_hi), precision=_HIGHEST) + dot(hi(a - a_hi), b_hi,
+                                                                  precision=_HIGHEST)
+  return out
 
 
 def _next_pow2(n: int) -> int:
@@ -47,39 +90,58 @@ def _next_pow2(n: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Tile sizes; hashable, so it can be a static jit argument. None = chosen from the shapes.
+  """Tile sizes; hashable, so it can be a static jit argument. None = chosen by `plan` from the
+  shapes, the dtype and the precision (the choices that compile without spills).
 
   Attributes:
     block_q: queries per program (its rows = block_q x q_per_kv, padded to a power of two >= 16).
     pages_per_block: pages per inner iteration (block_tokens = pages x page_size, a power of two
       >= 16).
+    block_tokens: keys per inner iteration instead (a power of two >= 16); below page_size a step
+      reads a slice of one page. At most one of pages_per_block and block_tokens.
     num_splits: KV splits per (seq, kv head, row block); None follows the work size.
     target_programs: programs to aim for when choosing num_splits (about 2 per SM of an H100/H200).
     num_warps, num_stages: Triton compiler parameters.
+    max_chunk: widest head_dim slice per dot (a power of two >= 16); narrower dots keep fewer
+      operand registers live, which the FMA (IEEE f32) dots need.
   """
   block_q: int | None = None
   pages_per_block: int | None = None
+  block_tokens: int | None = None
   num_splits: int | None = None
   target_programs: int = 264
-  num_warps: int = 4
-  num_stages: int = 2
+  num_warps: int | None = None
+  num_stages: int | None = None
+  max_chunk: int | None = None
 
   def __post_init__(self):
-    for name in ("block_q", "pages_per_block", "num_splits"):
+    for name in ("block_q", "pages_per_block", "num_splits", "num_warps", "num_stages",
+                 "max_chunk"):
       value = getattr(self, name)
       if value is not None and value < 1:
         raise ValueError(f"{name}={value} must be >= 1")
-    if self.pages_per_block is not None and self.pages_per_block & (self.pages_per_block - 1):
-      raise ValueError(f"pages_per_block={self.pages_per_block} must be a power of two")
+    for name in ("pages_per_block", "block_tokens", "max_chunk"):
+      value = getattr(self, name)
+      if value is not None and value & (value - 1):
+        raise ValueError(f"{name}={value} must be a power of two")
+    if self.block_tokens is not None and self.block_tokens < _MIN_DOT:
+      raise ValueError(f"block_tokens={self.block_tokens} must be >= {_MIN_DOT}")
+    if self.pages_per_block is not None and self.block_tokens is not None:
+      raise ValueError(f"give pages_per_block={self.pages_per_block} or "
+                       f"block_tokens={self.block_tokens}, not both")
 
 
-def head_dim_chunks(head_dim: int) -> tuple[tuple[int, int], ...]:
-  """(offset, size) power-of-two chunks >= 16 that tile head_dim: 80 -> ((0, 64), (64, 16))."""
+def head_dim_chunks(head_dim: int, max_chunk: int | None = None) -> tuple[tuple[int, int], ...]:
+  """(offset, size) power-of-two chunks >= 16 (and <= max_chunk) that tile head_dim:
+  80 -> ((0, 64), (64, 16)); 128 with max_chunk 32 -> four chunks of 32."""
   if head_dim % _MIN_DOT:
     raise ValueError(f"head_dim={head_dim} must be a multiple of {_MIN_DOT} for the Triton kernel")
+  if max_chunk is not None and (max_chunk < _MIN_DOT or max_chunk & (max_chunk - 1)):
+    raise ValueError(f"max_chunk={max_chunk} must be a power of two >= {_MIN_DOT}")
   chunks, offset = [], 0
   while offset < head_dim:
     size = 1 << ((head_dim - offset).bit_length() - 1)
+    size = size if max_chunk is None else min(size, max_chunk)
     chunks.append((offset, size))
     offset += size
   return tuple(chunks)
@@ -91,23 +153,81 @@ class _Plan:
   block_q: int
   block_rows: int
   num_row_blocks: int
-  pages_per_block: int
+  pages_per_block: int   # 1 when a step is a slice of one page
+  block_tokens: int      # keys per inner step
   num_splits: int
   pages_per_split: int
   table_width: int
+  num_warps: int
+  num_stages: int
+  chunks: tuple[tuple[int, int], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+  """Default tile limits for one (dtype, precision, head_dim): see `default_tiles`."""
+  max_rows: int       # rows (query x head of the group) per program, a power of two >= 16
+  block_tokens: int   # keys per inner step, a power of two >= 16
+  num_warps: int
+  num_stages: int
+  max_chunk: int | None = None   # widest head_dim slice per dot (None: whole power-of-two parts)
+
+
+def default_tiles(dtype, precision: str, head_dim: int) -> Tiles:
+  """The tiles that compile without register spills for sm_80 and sm_90, for page sizes 1-64+,
+  decode / mixed / prefill, GQA groups 1-8, with and without window and soft cap (checked by
+  `python -m experiments.kernel_ptx`; the table is in WORKSPACE.md, "Kernel resources").
+
+  What drives them (measured there): a tensor-core dot (bf16, or f32 at "tf32x3" / "default")
+  keeps its operands in shared memory, so 64 rows x 32 keys fit; the IEEE f32 dot ("highest") runs
+  on FMA units and holds each thread's operand rows and columns in registers, so it needs the
+  smallest tiles (16 rows, 16 keys, 16-wide head_dim slices) over 8 warps. Larger heads and f32
+  operands (twice bf16's bytes) take more warps and narrower slices.
+  """
+  f32 = jnp.dtype(dtype) == jnp.float32
+  pow2 = head_dim & (head_dim - 1) == 0
+  if not f32:                                     # bf16 tensor-core dots
+    if pow2 and head_dim <= 128:
+      return Tiles(max_rows=64, block_tokens=32, num_warps=4, num_stages=2, max_chunk=64)
+    if head_dim <= 128:                           # 80, 96: power-of-two chunks
+      return Tiles(max_rows=64, block_tokens=32, num_warps=8, num_stages=2, max_chunk=64)
+    return Tiles(max_rows=32, block_tokens=32, num_warps=8, num_stages=2, max_chunk=64)
+  if precision == "highest":                      # IEEE f32: FMA units, operands in registers
+    return Tiles(max_rows=16, block_tokens=16, num_warps=8, num_stages=2,
+                 max_chunk=32 if head_dim == 80 else 16)   # 80 spilled with 16-wide slices
+  if precision == "default":                      # one TF32 pass
+    if head_dim <= 64:
+      return Tiles(max_rows=32, block_tokens=32, num_warps=4, num_stages=2, max_chunk=64)
+    if not pow2:
+      return Tiles(max_rows=16, block_tokens=16, num_warps=8, num_stages=2, max_chunk=32)
+    if head_dim <= 128:
+      return Tiles(max_rows=32, block_tokens=32, num_warps=8, num_stages=2, max_chunk=32)
+    return Tiles(max_rows=16, block_tokens=32, num_warps=8, num_stages=2, max_chunk=32)
+  # tf32x3: three TF32 dots per product, hi / lo operand splits live at once
+  if head_dim <= 96:
+    return Tiles(max_rows=32, block_tokens=16, num_warps=8, num_stages=2, max_chunk=32)
+  if head_dim <= 128:
+    return Tiles(max_rows=16, block_tokens=16, num_warps=4, num_stages=3, max_chunk=32)
+  # head_dim 256: the best of 14 candidates; one configuration still spills 12 B on sm_90
+  # (experiments/kernel_ptx.py KNOWN_SPILLS).
+  return Tiles(max_rows=16, block_tokens=32, num_warps=4, num_stages=2, max_chunk=32)
 
 
 def plan(num_seqs: int, num_kv_heads: int, group: int, max_q_len: int, max_pages_per_seq: int,
-         page_size: int, block_sizes: BlockSizes) -> _Plan:
-  """Chooses tiles from static shapes: rows ~64 per program, >= 16 keys per inner step, and
-  enough KV splits to give ~target_programs programs."""
+         page_size: int, block_sizes: BlockSizes, *, head_dim: int = 128,
+         dtype=jnp.bfloat16, precision: str = "highest") -> _Plan:
+  """Chooses tiles from static shapes: rows up to `Tiles.max_rows` per program, >= 16 keys per
+  inner step, and enough KV splits to give ~target_programs programs; `block_sizes` overrides."""
+  tiles = default_tiles(jnp.dtype(dtype), precision, head_dim)
   block_q = block_sizes.block_q or (1 if max_q_len == 1 else
-                                    max(1, min(_next_pow2(max_q_len), 64 // group)))
+                                    max(1, min(_next_pow2(max_q_len), tiles.max_rows // group)))
   block_rows = max(_MIN_DOT, _next_pow2(block_q * group))
   num_row_blocks = -(-max_q_len // block_q)
-  ppb = block_sizes.pages_per_block or max(1, 64 // page_size)
-  ppb = max(ppb, -(-_MIN_DOT // page_size))
-  ppb = _next_pow2(ppb)
+  if block_sizes.pages_per_block is not None:
+    block_tokens = _next_pow2(max(block_sizes.pages_per_block * page_size, _MIN_DOT))
+  else:
+    block_tokens = block_sizes.block_tokens or tiles.block_tokens
+  ppb = max(1, block_tokens // page_size)
   max_blocks = max(1, -(-max_pages_per_seq // ppb))
   if block_sizes.num_splits is not None:
     num_splits = min(block_sizes.num_splits, max_blocks)
@@ -115,8 +235,10 @@ def plan(num_seqs: int, num_kv_heads: int, group: int, max_q_len: int, max_pages
     programs = num_seqs * num_kv_heads * num_row_blocks
     num_splits = max(1, min(max_blocks, -(-block_sizes.target_programs // programs)))
   pages_per_split = -(-max_blocks // num_splits) * ppb
-  return _Plan(block_q, block_rows, num_row_blocks, ppb, num_splits, pages_per_split,
-               num_splits * pages_per_split + ppb)
+  return _Plan(block_q, block_rows, num_row_blocks, ppb, block_tokens, num_splits, pages_per_split,
+               num_splits * pages_per_split + ppb, block_sizes.num_warps or tiles.num_warps,
+               block_sizes.num_stages or tiles.num_stages,
+               head_dim_chunks(head_dim, block_sizes.max_chunk or tiles.max_chunk))
 
 
 def _kernel(meta_ref,      # i32[2]: kv_len, q_len of this sequence
@@ -128,14 +250,15 @@ def _kernel(meta_ref,      # i32[2]: kv_len, q_len of this sequence
             m_ref,         # f32[block_rows] running max
             l_ref,         # f32[block_rows] running sum of exp(s - m)
             *, group: int, block_q: int, num_splits: int, pages_per_split: int,
-            pages_per_block: int, scale: float, soft_cap: float | None,
-            sliding_window: int | None, chunks: tuple[tuple[int, int], ...]):
+            block_tokens: int, scale: float, soft_cap: float | None,
+            sliding_window: int | None, chunks: tuple[tuple[int, int], ...], precision: str,
+            interpret: bool):
   j = pl.program_id(2)
   row_block, split = j // num_splits, j % num_splits
   kv_len, q_len = meta_ref[0], meta_ref[1]
   block_rows = q_ref.shape[0]
   page_size = k_pages_ref.shape[1]
-  block_tokens = pages_per_block * page_size
+  pages_per_block = block_tokens // page_size   # the wrapper makes pages <= block_tokens
 
   rows = jnp.arange(block_rows, dtype=jnp.int32)
   qi = row_block * block_q + rows // group
@@ -166,8 +289,7 @@ def _kernel(meta_ref,      # i32[2]: kv_len, q_len of this sequence
     s = None
     for q, (off, size) in zip(qs, chunks):
       k = k_pages_ref[pages, :, pl.ds(off, size)].reshape(block_tokens, size)
-      part = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_HIGHEST,
-                                 preferred_element_type=jnp.float32)
+      part = _dot(q, k, ((1,), (1,)), precision, interpret)
       s = part if s is None else s + part
     s = s * scale
     if soft_cap is not None:
@@ -185,8 +307,7 @@ def _kernel(meta_ref,      # i32[2]: kv_len, q_len of this sequence
     for u, (off, size) in zip(us, chunks):
       v = v_pages_ref[pages, :, pl.ds(off, size)].reshape(block_tokens, size)
       v = jnp.where(kv_valid[:, None], v, 0)   # mask V too: 0 * NaN would be NaN
-      pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                               precision=_HIGHEST, preferred_element_type=jnp.float32)
+      pv = _dot(p.astype(v.dtype), v, ((1,), (0,)), precision, interpret)
       new_us.append(alpha[:, None] * u + pv)
     return m_new, l, tuple(new_us)
 
@@ -200,12 +321,13 @@ def _kernel(meta_ref,      # i32[2]: kv_len, q_len of this sequence
 
 
 @functools.partial(jax.jit, static_argnames=("max_q_len", "scale", "sliding_window", "soft_cap",
-                                             "block_sizes", "interpret", "return_lse"))
+                                             "block_sizes", "interpret", "return_lse",
+                                             "precision"))
 def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
                     max_q_len: int | None = None, scale: float | None = None,
                     sliding_window: int | None = None, soft_cap: float | None = None,
                     block_sizes: BlockSizes = BlockSizes(), interpret: bool = False,
-                    return_lse: bool = False):
+                    return_lse: bool = False, precision: str = "highest"):
   """Ragged paged attention in one kernel launch. Same arguments as `paged_attention_reference`.
 
   Args:
@@ -220,12 +342,18 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
     block_sizes: tiling; see BlockSizes.
     interpret: run through Pallas' interpreter (CPU).
     return_lse: also return f32[num_tokens, num_q_heads] natural-log log-sum-exp.
+    precision: the f32 dots' precision, a key of PRECISIONS ("highest", "tf32x3", "default");
+      ignored for bf16. Errors against exact f32, measured in interpret mode by
+      `python -m experiments.kernel_ptx --errors` (WORKSPACE.md, "Kernel resources"):
+      "highest" and "tf32x3" agree with f32 to ~1e-6, "default" (one TF32 pass) to ~1e-3.
 
   Returns:
     dtype[num_tokens, num_q_heads, head_dim] (and lse).
   """
   check_static_args(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, max_q_len=max_q_len,
                     sliding_window=sliding_window, soft_cap=soft_cap)
+  if precision not in PRECISIONS:
+    raise ValueError(f"precision={precision!r} is not one of {tuple(PRECISIONS)}")
   if q.shape[0] == 0:
     return empty_result(q, return_lse)
   num_tokens, num_q_heads, head_dim = q.shape
@@ -234,10 +362,25 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
   group = num_q_heads // num_kv_heads
   if page_size & (page_size - 1):
     raise ValueError(f"page_size={page_size} must be a power of two for the Triton kernel")
-  chunks = head_dim_chunks(head_dim)
+  head_dim_chunks(head_dim)   # validates head_dim before planning
   max_q_len = num_tokens if max_q_len is None else max_q_len
   scale = head_dim ** -0.5 if scale is None else scale
-  p = plan(num_seqs, num_kv_heads, group, max_q_len, max_pages_per_seq, page_size, block_sizes)
+  plan_for = functools.partial(plan, num_seqs, num_kv_heads, group, max_q_len,
+                               block_sizes=block_sizes, head_dim=head_dim, dtype=q.dtype,
+                               precision=precision)
+  p = plan_for(max_pages_per_seq, page_size)
+  if p.block_tokens < page_size:
+    # Pages larger than a step: view each page as page_size / block_tokens consecutive sub-pages
+    # (a free reshape of the pool) and expand the block tables to match, so every step reads
+    # whole (sub-)pages and the kernel keeps one path.
+    subs = page_size // p.block_tokens
+    k_pages = k_pages.reshape(num_pages * subs, p.block_tokens, num_kv_heads, head_dim)
+    v_pages = v_pages.reshape(num_pages * subs, p.block_tokens, num_kv_heads, head_dim)
+    block_tables = (block_tables[:, :, None] * subs + jnp.arange(subs, dtype=block_tables.dtype)
+                    ).reshape(num_seqs, max_pages_per_seq * subs)
+    num_pages, max_pages_per_seq = num_pages * subs, max_pages_per_seq * subs
+    page_size = p.block_tokens
+    p = plan_for(max_pages_per_seq, page_size)
 
   tables = jnp.pad(block_tables, ((0, 0), (0, p.table_width - max_pages_per_seq)),
                    constant_values=NULL_PAGE)
@@ -256,8 +399,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
 
   kernel = functools.partial(
       _kernel, group=group, block_q=p.block_q, num_splits=ns, pages_per_split=p.pages_per_split,
-      pages_per_block=p.pages_per_block, scale=scale, soft_cap=soft_cap,
-      sliding_window=sliding_window, chunks=chunks)
+      block_tokens=p.block_tokens, scale=scale, soft_cap=soft_cap,
+      sliding_window=sliding_window, chunks=p.chunks, precision=precision, interpret=interpret)
   u, m, l = pl.pallas_call(
       kernel,
       grid=(num_seqs, num_kv_heads, p.num_row_blocks * ns),
@@ -279,8 +422,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
           jax.ShapeDtypeStruct((ns, num_seqs, num_kv_heads, rows_total), jnp.float32),
           jax.ShapeDtypeStruct((ns, num_seqs, num_kv_heads, rows_total), jnp.float32),
       ],
-      compiler_params=plgpu.CompilerParams(num_warps=block_sizes.num_warps,
-                                           num_stages=block_sizes.num_stages),
+      compiler_params=plgpu.CompilerParams(num_warps=p.num_warps, num_stages=p.num_stages),
       interpret=interpret,
       name="ragged_paged_attention",
   )(meta, tables, qr, k_pages, v_pages)

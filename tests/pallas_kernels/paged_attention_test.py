@@ -4,7 +4,6 @@ Shapes are tiny because interpret mode is slow. Every case poisons NULL_PAGE, fr
 slot past a sequence's length with NaN, and shuffles the block tables.
 """
 
-import contextlib
 import functools
 
 from absl.testing import absltest, parameterized
@@ -14,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax import attention, testing
-from pallas_kernels.paged_attention import kernel_triton
+from pallas_kernels.paged_attention import kernel_triton, triton_ir
 from pallas_kernels.paged_attention.reference import paged_attention_reference
 
 TOL = {  # the foundation's tolerances
@@ -134,6 +133,12 @@ def _edge_cases():
     for mode in ("decode", "prefill"):
       cases.append(dict(testcase_name=f"{mode}_group{group}", mode=mode, window=5, splits=3,
                         group=group, cap=2.5))
+  # Pages larger than a step (page 32, 16 keys per step): each page is read as two sub-pages;
+  # windows that end on, before and after a sub-page boundary.
+  for window in (1, 15, 16, 17, 200):
+    for splits in (1, 3):
+      cases.append(dict(testcase_name=f"subpage_window{window}_splits{splits}", mode="subpage",
+                        window=window, splits=splits, group=4, cap=None if splits == 1 else 2.5))
   return cases
 
 
@@ -149,16 +154,55 @@ class KernelEdgeMatrixTest(parameterized.TestCase):
       seq_lens, q_lens = [9, 70, 33], [9, 6, 33]
     else:   # decode rows whose windows start on every page offset, a chunk, a full prompt
       seq_lens, q_lens = [61, 62, 63, 64, 70, 9, 0], [1, 1, 1, 1, 6, 9, 0]
+    page_size, steps = 4, dict(pages_per_block=4)
+    if mode == "subpage":
+      seq_lens, q_lens = [48, 63, 64, 65, 130, 9, 0], [1, 1, 1, 1, 6, 9, 0]
+      page_size, steps = 32, dict(block_tokens=16)
     num_kv_heads = 1 if group == 8 else 2
-    inp = testing.random_paged_inputs(window + splits, seq_lens, q_lens=q_lens, page_size=4,
-                                      num_kv_heads=num_kv_heads, q_per_kv=group, head_dim=16,
-                                      pad_tokens=1)
+    inp = testing.random_paged_inputs(window + splits, seq_lens, q_lens=q_lens,
+                                      page_size=page_size, num_kv_heads=num_kv_heads,
+                                      q_per_kv=group, head_dim=16, pad_tokens=1)
     kw = dict(sliding_window=window, soft_cap=cap, scale=0.3)
     out = kernel_triton.paged_attention(
         *inp, max_q_len=max(q_lens), interpret=True,
-        block_sizes=kernel_triton.BlockSizes(num_splits=splits, pages_per_block=4), **kw)
+        block_sizes=kernel_triton.BlockSizes(num_splits=splits, **steps), **kw)
     oracle = testing.naive_paged_attention(*inp, **kw)
     np.testing.assert_allclose(np.asarray(out, np.float64), oracle, **TOL[jnp.float32])
+
+
+class PrecisionTest(parameterized.TestCase):
+  """Each precision's error against the float64 oracle (interpret mode emulates TF32 rounding),
+  within what kernel_triton.PRECISIONS promises, and the TF32 settings really round."""
+
+  def _errors(self, dtype=jnp.float32):
+    inp = testing.random_paged_inputs(3, [1, 37, 200, 64], q_lens=[1, 5, 1, 16], page_size=16,
+                                      num_kv_heads=2, q_per_kv=4, head_dim=64, dtype=dtype,
+                                      pad_tokens=1)
+    oracle = testing.naive_paged_attention(*inp)
+    outs = {prec: np.asarray(kernel_triton.paged_attention(*inp, max_q_len=16, precision=prec,
+                                                           interpret=True), np.float64)
+            for prec in kernel_triton.PRECISIONS}
+    return {prec: float(np.abs(out - oracle).max()) for prec, out in outs.items()}, outs
+
+  def test_errors_within_the_promise(self):
+    err, _ = self._errors()
+    self.assertLess(err["highest"], 1e-5)
+    self.assertLess(err["tf32x3"], 1e-5)
+    self.assertLess(err["default"], 5e-3)
+    # One TF32 pass loses ~3 decimal digits; if it did not, the emulation would not be running.
+    self.assertGreater(err["default"], 1e-4)
+    self.assertLess(err["tf32x3"], err["default"] / 20)
+
+  def test_bf16_ignores_precision(self):
+    _, outs = self._errors(jnp.bfloat16)
+    chex.assert_trees_all_equal(outs["highest"], outs["tf32x3"], outs["default"])
+
+  def test_unknown_precision_is_a_clear_error(self):
+    inp = testing.random_paged_inputs(0, [5], page_size=4, head_dim=16)
+    with self.assertRaisesRegex(ValueError, r"precision='tf32' is not one of \('highest'"):
+      kernel_triton.paged_attention(*inp, precision="tf32", interpret=True)
+    with self.assertRaisesRegex(ValueError, r"precision='tf32' is not one of"):
+      attention.paged_attention(*inp, impl="pallas", interpret=True, precision="tf32")
 
 
 class KernelLoweringTest(parameterized.TestCase):
@@ -180,15 +224,7 @@ class KernelLoweringTest(parameterized.TestCase):
             shape(num_seqs, 16, d=jnp.int32), shape(num_seqs, d=jnp.int32),
             shape(num_seqs + 1, d=jnp.int32))
     f = functools.partial(kernel_triton.paged_attention, max_q_len=max_q_len, **kw)
-    ctx = contextlib.nullcontext()
-    if tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11):
-      # jax >= 0.11 refuses to lower for CUDA without a GPU unless under an abstract GPU mesh.
-      device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
-                                           platform="gpu")
-      ctx = jax.sharding.use_abstract_mesh(
-          jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device))
-    with ctx:
-      text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = triton_ir.lower_for_cuda(f, *args).as_text()
     self.assertIn("ragged_paged_attention", text)
     self.assertIn("triton", text.lower())
 
@@ -230,6 +266,30 @@ class DispatchTest(absltest.TestCase):
     self.assertEqual(kernel_triton.head_dim_chunks(80), ((0, 64), (64, 16)))
     self.assertEqual(kernel_triton.head_dim_chunks(96), ((0, 64), (64, 32)))
     self.assertEqual(kernel_triton.head_dim_chunks(128), ((0, 128),))
+    self.assertEqual(kernel_triton.head_dim_chunks(80, 32), ((0, 32), (32, 32), (64, 16)))
+    with self.assertRaisesRegex(ValueError, "max_chunk=24 must be a power of two"):
+      kernel_triton.head_dim_chunks(96, 24)
+    with self.assertRaisesRegex(ValueError, "block_tokens=8 must be >= 16"):
+      kernel_triton.BlockSizes(block_tokens=8)
+    with self.assertRaisesRegex(ValueError, "give pages_per_block=2 or block_tokens=32, not both"):
+      kernel_triton.BlockSizes(pages_per_block=2, block_tokens=32)
+    with self.assertRaisesRegex(ValueError, "max_chunk=48 must be a power of two"):
+      kernel_triton.BlockSizes(max_chunk=48)
+
+  def test_default_tiles_are_valid_and_planned(self):
+    for dtype in (jnp.bfloat16, jnp.float32):
+      for precision in kernel_triton.PRECISIONS:
+        for head_dim in (64, 80, 96, 128, 256):
+          tiles = kernel_triton.default_tiles(jnp.dtype(dtype), precision, head_dim)
+          for value in (tiles.max_rows, tiles.block_tokens):
+            self.assertGreaterEqual(value, 16)
+            self.assertEqual(value & (value - 1), 0)
+          p = kernel_triton.plan(4, 2, 4, 256, 64, 64, kernel_triton.BlockSizes(),
+                                 head_dim=head_dim, dtype=dtype, precision=precision)
+          self.assertLessEqual(p.block_rows, tiles.max_rows)
+          self.assertEqual((p.block_tokens, p.num_warps, p.num_stages),
+                           (tiles.block_tokens, tiles.num_warps, tiles.num_stages))
+          self.assertEqual(sum(size for _, size in p.chunks), head_dim)
 
   def test_splits_follow_the_work_size(self):
     plan = functools.partial(kernel_triton.plan, num_kv_heads=8, group=4, max_q_len=1,

@@ -1,0 +1,202 @@
+"""The PTX compile check's pieces: occupancy arithmetic, ptxas parsing, the verdict, the matrix,
+the Triton IR taken out of a CUDA lowering, and (where pip triton is at hand) a real compile that
+must pass for the planned tiles and must flag spills for tiles known to spill.
+
+The whole matrix is compiled by `python -m experiments.kernel_ptx`, a stage of `.ci/run`.
+"""
+
+import json
+import os
+import tempfile
+
+from absl.testing import absltest, parameterized
+import jax.numpy as jnp
+
+from experiments import kernel_ptx
+from pallas_kernels.paged_attention import kernel_triton, ptx_compile
+
+_PTXAS_LOG = """ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'ragged_paged_attention' for 'sm_90'
+ptxas info    : Function properties for ragged_paged_attention
+    104 bytes stack frame, 116 bytes spill stores, 108 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 104 bytes cumulative stack size
+"""
+
+
+class OccupancyTest(parameterized.TestCase):
+
+  @parameterized.parameters(
+      # regs, warps, shared, arch -> programs per SM, limiting resource. Worked by hand:
+      # 64 regs x 32 lanes = 2,048 per warp, x 4 warps = 8,192 per program: 8 fit in 65,536;
+      # 64 warps / 4 = 16; shared (28 + 1 reserved) KiB: 164 // 29 = 5 on sm_80, 228 // 29 = 7.
+      (64, 4, 28 * 1024, 80, 5, "shared"),
+      (64, 4, 28 * 1024, 90, 7, "shared"),
+      # 255 regs round up to 256: 8,192 per warp, 32,768 per program: 2 per SM.
+      (255, 4, 8 * 1024, 90, 2, "registers"),
+      # 100 regs round up to 104 (units of 8 per lane): 3,328 per warp, 26,624 per 8 warps: 2.
+      (100, 8, 0, 80, 2, "registers"),
+      # 32 regs, 1 warp, no shared memory: 64 by registers and warps, capped at 32 blocks.
+      (32, 1, 0, 90, 32, "blocks"),
+      # 16 regs, 8 warps: 64 warps / 8 = 8 programs before registers (16) bind.
+      (16, 8, 0, 90, 8, "warps"),
+  )
+  def test_programs_per_sm(self, regs, warps, shared, arch, programs, limit):
+    occ = ptx_compile.occupancy(regs, warps, shared, arch)
+    self.assertEqual((occ["programs"], occ["limit"]), (programs, limit))
+    self.assertEqual(occ["warps"], programs * warps)
+    self.assertAlmostEqual(occ["occupancy"], programs * warps / 64)
+
+  def test_shared_memory_over_the_launch_limit_runs_nothing(self):
+    occ = ptx_compile.occupancy(64, 4, 164 * 1024, 80)   # sm_80 allows 163 KiB per block
+    self.assertEqual((occ["programs"], occ["limit"]), (0, "shared"))
+    self.assertGreater(ptx_compile.occupancy(64, 4, 164 * 1024, 90)["programs"], 0)
+
+
+class VerdictTest(absltest.TestCase):
+
+  def test_parse_ptxas(self):
+    self.assertEqual(ptx_compile.parse_ptxas(_PTXAS_LOG),
+                     dict(regs=255, stack=104, spill_stores=116, spill_loads=108))
+    self.assertEqual(ptx_compile.parse_ptxas("garbage")["regs"], None)
+
+  def test_parse_ptxas_entries_of_a_whole_module(self):
+    log = ("ptxas info    : Compiling entry function 'loop_add_fusion' for 'sm_90'\n"
+           "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+           "ptxas info    : Used 12 registers\n" + _PTXAS_LOG)
+    entries = ptx_compile.parse_ptxas_entries(log)
+    self.assertEqual(set(entries), {"loop_add_fusion", "ragged_paged_attention"})
+    self.assertEqual(entries["loop_add_fusion"]["regs"], 12)
+    self.assertEqual(entries["ragged_paged_attention"]["spill_stores"], 116)
+
+  def _row(self, **kw):
+    row = dict(ok=True, arch=90, num_warps=4, regs=128, shared=64 * 1024, spill_stores=0,
+               spill_loads=0)
+    row.update(kw)
+    return kernel_ptx.judge(row)
+
+  def test_clean_compile_passes_with_occupancy(self):
+    row = self._row()
+    self.assertTrue(row["pass"], row["problems"])
+    self.assertEqual(row["programs"], ptx_compile.occupancy(128, 4, 64 * 1024, 90)["programs"])
+
+  def test_spills_shared_memory_and_errors_fail(self):
+    self.assertIn("spills 8/0 B", self._row(spill_stores=8)["problems"][0])
+    self.assertFalse(self._row(spill_loads=4)["pass"])
+    over = self._row(arch=80, shared=164 * 1024)
+    self.assertIn("shared memory 167936 B > sm_80 limit", over["problems"][0])
+    self.assertTrue(self._row(arch=90, shared=164 * 1024)["pass"])
+    self.assertFalse(self._row(ok=False, error="ptxas: error")["pass"])
+
+  def test_a_known_spill_passes_only_up_to_its_bound(self):
+    (label, arch), bound = next(iter(kernel_ptx.KNOWN_SPILLS.items()))
+    ok = self._row(label=label, arch=arch, spill_stores=bound // 2, spill_loads=bound // 2)
+    self.assertTrue(ok["pass"], ok["problems"])
+    self.assertIn("accepted", ok["known_spill"])
+    self.assertFalse(self._row(label=label, arch=arch, spill_stores=bound + 1)["pass"])
+    self.assertFalse(self._row(label=label, arch=170 - arch, spill_stores=4)["pass"])
+
+
+class MatrixTest(absltest.TestCase):
+
+  def test_every_axis_value_is_covered(self):
+    cfgs = kernel_ptx.matrix(["bfloat16", "float32"], list(kernel_triton.PRECISIONS),
+                             [64, 80, 96, 128, 256], [1, 16, 64], list(kernel_ptx.MODES),
+                             [1, 4, 8], list(kernel_ptx.FEATURES))
+    per_dtype = 5 * 3 * 3 * 3 * 2
+    self.assertLen(cfgs, per_dtype * (1 + len(kernel_triton.PRECISIONS)))
+    self.assertLen({c.label for c in cfgs}, len(cfgs))
+    self.assertEqual({c.precision for c in cfgs if c.dtype == "bfloat16"}, {"highest"})
+    for field, values in (("head_dim", {64, 80, 96, 128, 256}), ("page_size", {1, 16, 64}),
+                          ("group", {1, 4, 8}), ("mode", set(kernel_ptx.MODES))):
+      self.assertEqual({getattr(c, field) for c in cfgs}, values)
+
+  def test_lowering_gives_the_planned_launch(self):
+    cfg = kernel_ptx.Config("float32", "highest", 128, 16, "prefill", 4, "window+cap")
+    [kernel] = kernel_ptx.lower(cfg)
+    self.assertEqual(kernel.name, "ragged_paged_attention")
+    self.assertIn("tt.func", kernel.ttir)
+    tiles = kernel_triton.default_tiles(jnp.float32, "highest", 128)
+    self.assertEqual((kernel.num_warps, kernel.num_stages), (tiles.num_warps, tiles.num_stages))
+    # Different precision, different kernel (the TF32 dot is an attribute of tt.dot).
+    [tf32] = kernel_ptx.lower(kernel_ptx.Config("float32", "default", 128, 16, "prefill", 4,
+                                                "window+cap"))
+    self.assertNotEqual(tf32.ttir, kernel.ttir)
+
+  def _tempfile(self, content):
+    tmp = tempfile.TemporaryDirectory()
+    self.addCleanup(tmp.cleanup)
+    path = os.path.join(tmp.name, "WORKSPACE.md")
+    with open(path, "w") as fh:
+      fh.write(content)
+    return path
+
+  def test_write_table_replaces_only_the_marked_block(self):
+    path = self._tempfile(f"# W\nbefore\n{kernel_ptx.TABLE_BEGIN}\nold\n"
+                          f"{kernel_ptx.TABLE_END}\nafter\n")
+    kernel_ptx.write_table("| new |", "cmd", "today", path)
+    text = open(path).read()
+    self.assertIn("before\n", text)
+    self.assertIn("after\n", text)
+    self.assertIn("| new |", text)
+    self.assertNotIn("old", text)
+    with self.assertRaisesRegex(ValueError, "no <!-- kernel-resources -->"):
+      kernel_ptx.write_table("x", "cmd", "today", self._tempfile("none"))
+
+
+class EstimateTest(absltest.TestCase):
+
+  def test_nearest_configuration_of_the_newest_matrix(self):
+    tmp = tempfile.TemporaryDirectory()
+    self.addCleanup(tmp.cleanup)
+    path = os.path.join(tmp.name, "kernel_ptx.jsonl")
+    row = lambda page, group, regs: dict(dtype="bfloat16", precision="highest", head_dim=128,
+                                         mode="decode", features="plain", arch=90,
+                                         page_size=page, group=group, regs=regs)
+    with open(path, "w") as fh:
+      fh.write(json.dumps(dict(kind="matrix", rows=[row(16, 4, 1)])) + "\n")
+      fh.write(json.dumps(dict(kind="precision_errors", rows=[])) + "\n")
+      fh.write(json.dumps(dict(kind="matrix", rows=[row(16, 4, 2), row(64, 8, 3),
+                                                    row(1, 1, 4)])) + "\n")
+    est = lambda page, group, **kw: kernel_ptx.estimate("bfloat16", "default", 128, page,
+                                                        "decode", group, path=path, **kw)
+    self.assertEqual(est(16, 4)["regs"], 2)     # the newest matrix; bf16 has one precision
+    self.assertEqual(est(32, 8)["regs"], 3)     # nearest page size (log scale), then group
+    self.assertEqual(est(2, 1)["regs"], 4)
+    self.assertIsNone(est(16, 4, arch=80))
+    self.assertIsNone(kernel_ptx.estimate("bfloat16", "highest", 128, 16, "decode", 4,
+                                          path=os.path.join(tmp.name, "none.jsonl")))
+
+
+_TRITON = os.environ.get("PAGED_JAX_TRITON_PYTHON", "")
+
+
+class CompileTest(absltest.TestCase):
+  """A real compile with pip triton (PAGED_JAX_TRITON_PYTHON, set by .ci/run's PTX stage)."""
+
+  def setUp(self):
+    super().setUp()
+    if not _TRITON:
+      self.skipTest("PAGED_JAX_TRITON_PYTHON is not set (a python with triton==3.9.0): the PTX "
+                    "compile did not run here; .ci/run's PTX stage runs it")
+
+  def _compile(self, cfg, block_sizes=kernel_triton.BlockSizes()):
+    with tempfile.TemporaryDirectory() as tmp:
+      return kernel_ptx.check([(cfg, kernel_ptx.lower(cfg, block_sizes))], [80, 90], _TRITON, tmp)
+
+  def test_planned_tiles_compile_clean_and_known_bad_tiles_are_caught(self):
+    cfg = kernel_ptx.Config("float32", "highest", 128, 16, "prefill", 1, "window+cap")
+    rows = self._compile(cfg)
+    self.assertLen(rows, 2)
+    for row in rows:
+      self.assertTrue(row["pass"], row["problems"])
+      self.assertGreaterEqual(row["programs"], 1)
+    # Today's tiles before this check existed: 64 rows, 64 keys, 4 warps, whole head_dim dots.
+    bad = self._compile(cfg, kernel_triton.BlockSizes(block_q=64, block_tokens=64, num_warps=4,
+                                                      max_chunk=128))
+    for row in bad:
+      self.assertFalse(row["pass"])
+      self.assertTrue(any("spills" in p for p in row["problems"]), row["problems"])
+
+
+if __name__ == "__main__":
+  absltest.main()
