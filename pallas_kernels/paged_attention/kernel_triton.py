@@ -208,7 +208,7 @@ def default_tiles(dtype, precision: str, head_dim: int) -> Tiles:
     return Tiles(max_rows=32, block_tokens=16, num_warps=8, num_stages=2, max_chunk=32)
   if head_dim <= 128:
     return Tiles(max_rows=16, block_tokens=16, num_warps=4, num_stages=3, max_chunk=32)
-  # head_dim 256: the best of 14 candidates; one configuration still spills 12 B on sm_90
+  # head_dim 256: the best of 18 candidates; one configuration still spills 12 B on sm_90
   # (experiments/kernel_ptx.py KNOWN_SPILLS).
   return Tiles(max_rows=16, block_tokens=32, num_warps=4, num_stages=2, max_chunk=32)
 
