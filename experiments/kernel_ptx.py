@@ -214,14 +214,14 @@ def ensure_triton(python: str) -> str | None:
 
 def check(cfg_kernels, archs, triton_python, workdir) -> list[dict]:
   """Compiles each distinct kernel once per arch; one row per (configuration, arch)."""
-  jobs, key_of = [], {}
+  jobs, key_of, seen = [], {}, set()
   for cfg, kernels in cfg_kernels:
     for k in kernels:
       key = hashlib.sha1(f"{k.ttir}|{k.num_warps}|{k.num_stages}".encode()).hexdigest()[:12]
-      if key in key_of.values():
-        key_of[(cfg, k.name)] = key
-        continue
       key_of[(cfg, k.name)] = key
+      if key in seen:
+        continue
+      seen.add(key)
       path = os.path.join(workdir, key + ".ttir")
       with open(path, "w") as fh:
         fh.write(k.ttir)

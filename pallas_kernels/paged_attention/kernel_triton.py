@@ -66,9 +66,7 @@ def _dot(a, b, dims, precision: str, interpret: bool):
   """f32 dot_general of two tiles at `precision` (a PRECISIONS key); bf16 tiles ignore it."""
   dot = functools.partial(jax.lax.dot_general, dimension_numbers=(dims, ((), ())),
                           preferred_element_type=jnp.float32)
-  if a.dtype != jnp.float32:
-    return dot(a, b, precision=_HIGHEST)
-  if precision == "highest":
+  if a.dtype != jnp.float32 or precision == "highest":
     return dot(a, b, precision=_HIGHEST)
   if not interpret:   # the GPU's tensor cores do the TF32 rounding
     return dot(a, b, precision=(jax.lax.Precision.DEFAULT if precision == "default" else
@@ -208,7 +206,7 @@ def default_tiles(dtype, precision: str, head_dim: int) -> Tiles:
     return Tiles(max_rows=32, block_tokens=16, num_warps=8, num_stages=2, max_chunk=32)
   if head_dim <= 128:
     return Tiles(max_rows=16, block_tokens=16, num_warps=4, num_stages=3, max_chunk=32)
-  # head_dim 256: the best of 18 candidates; one configuration still spills 12 B on sm_90
+  # head_dim 256: the best of 18 candidates; one configuration still spills 20 B on sm_90
   # (experiments/kernel_ptx.py KNOWN_SPILLS).
   return Tiles(max_rows=16, block_tokens=32, num_warps=4, num_stages=2, max_chunk=32)
 
@@ -344,7 +342,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
     return_lse: also return f32[num_tokens, num_q_heads] natural-log log-sum-exp.
     precision: the f32 dots' precision, a key of PRECISIONS ("highest", "tf32x3", "default");
       ignored for bf16. Errors against exact f32, measured in interpret mode by
-      `python -m experiments.kernel_ptx --errors` (WORKSPACE.md, "Kernel resources"):
+      `python -m experiments.kernel_ptx --errors` (experiments/results/README.md):
       "highest" and "tf32x3" agree with f32 to ~1e-6, "default" (one TF32 pass) to ~1e-3.
 
   Returns:
@@ -362,7 +360,6 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
   group = num_q_heads // num_kv_heads
   if page_size & (page_size - 1):
     raise ValueError(f"page_size={page_size} must be a power of two for the Triton kernel")
-  head_dim_chunks(head_dim)   # validates head_dim before planning
   max_q_len = num_tokens if max_q_len is None else max_q_len
   scale = head_dim ** -0.5 if scale is None else scale
   plan_for = functools.partial(plan, num_seqs, num_kv_heads, group, max_q_len,
