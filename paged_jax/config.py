@@ -74,6 +74,23 @@ class ModelConfig:
       return None
     return self.sliding_window
 
+  def stored_kv_heads(self, model_parallel: int = 1) -> int:
+    """KV heads the pool stores across `model_parallel` devices (tensor parallel over heads):
+    num_kv_heads when they divide across the devices, else (fewer KV heads than devices) each
+    KV head replicated on model_parallel / num_kv_heads devices, one head per device, as vLLM
+    does. Raises where neither works (`paged_jax.sharding.check_tensor_parallel`)."""
+    if model_parallel < 1:
+      raise ValueError(f"model_parallel={model_parallel} must be >= 1")
+    if self.num_kv_heads >= model_parallel:
+      if self.num_kv_heads % model_parallel:
+        raise ValueError(f"num_kv_heads={self.num_kv_heads} does not divide across "
+                         f"model_parallel={model_parallel} devices")
+      return self.num_kv_heads
+    if model_parallel % self.num_kv_heads:
+      raise ValueError(f"num_kv_heads={self.num_kv_heads} cannot be replicated evenly over "
+                       f"model_parallel={model_parallel} devices (it must divide it)")
+    return model_parallel
+
 
 # The MLP gate activations we implement (transformers' names; Llama / Qwen2 / Mistral use silu).
 HIDDEN_ACTS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new")
@@ -125,17 +142,23 @@ class CacheConfig:
     if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
       raise ValueError(f"memory_fraction={self.memory_fraction} must be in (0, 1]")
 
-  def bytes_per_page(self, model: ModelConfig) -> int:
-    """K and V of one page across all layers."""
+  def bytes_per_page(self, model: ModelConfig, model_parallel: int = 1) -> int:
+    """K and V of one page across all layers, on one device of `model_parallel` (each holds
+    its heads' slice of every page: `ModelConfig.stored_kv_heads`)."""
     itemsize = 2 if model.dtype == "bfloat16" else 4
-    return 2 * model.num_layers * self.page_size * model.num_kv_heads * model.head_dim * itemsize
+    heads = model.stored_kv_heads(model_parallel) // model_parallel
+    return 2 * model.num_layers * self.page_size * heads * model.head_dim * itemsize
 
-  def resolve_num_pages(self, model: ModelConfig, memory_stats: dict | None) -> int:
-    """Pages in the pool (NULL_PAGE included).
+  def resolve_num_pages(self, model: ModelConfig, memory_stats: dict | None,
+                        model_parallel: int = 1) -> int:
+    """Pages in the pool (NULL_PAGE included). A byte budget is per device: with tensor
+    parallelism each device holds a 1 / model_parallel slice of every page, so the same budget
+    holds more pages.
 
     Args:
       memory_stats: the device's `memory_stats()` taken after the weights were placed (None on
         the CPU): bytes_limit - bytes_in_use is what a fraction applies to.
+      model_parallel: devices on the mesh's "model" axis.
     """
     if self.num_pages is not None:
       return self.num_pages
@@ -152,10 +175,11 @@ class CacheConfig:
                          f"this one does not (the CPU): give memory_bytes instead")
       free = memory_stats["bytes_limit"] - memory_stats.get("bytes_in_use", 0)
       budget = int(fraction * free)
-    pages = budget // self.bytes_per_page(model)
+    per_page = self.bytes_per_page(model, model_parallel)
+    pages = budget // per_page
     if pages < 2:
       raise ValueError(f"a KV budget of {budget} bytes holds {pages} pages of "
-                       f"{self.bytes_per_page(model)} bytes; the pool needs at least 2")
+                       f"{per_page} bytes; the pool needs at least 2")
     return int(pages)
 
 

@@ -17,6 +17,7 @@ engine owns the params, the pool and the request seeds; everything else is in `h
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import os
@@ -28,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax import page_ops, step
+from paged_jax import page_ops, sharding, step
 from paged_jax.config import CacheConfig, ModelConfig
 from paged_jax.host import batching
 from paged_jax.host.addressing import pages_needed
@@ -99,15 +100,27 @@ class Engine:
       prefix cache), before the next step's writes.
     max_step_retries: a request whose step fails alone this many times finishes with reason
       "error" (see `step()`).
+    mesh: a jax.sharding.Mesh with axes ("data", "model") and data size 1: tensor parallel over
+      the "model" devices (`paged_jax.sharding`: params split Megatron-style, the pool split on
+      its KV heads, the host side unchanged). None: one device. Several data replicas:
+      `paged_jax.data_parallel.DataParallelEngine`.
   """
 
   def __init__(self, params, cfg: ModelConfig, *, cache: CacheConfig = CacheConfig(),
                scheduler: SchedulerConfig = SchedulerConfig(), impl: str = "auto", seed: int = 0,
                tokenizer=None, eos_token_ids: Iterable[int] = (),
                steps: StepFunctions = StepFunctions(), validate_tables: bool | None = None,
-               scrub_freed_pages: bool = False, max_step_retries: int = 2):
+               scrub_freed_pages: bool = False, max_step_retries: int = 2, mesh=None):
     if max_step_retries < 1:
       raise ValueError(f"max_step_retries={max_step_retries} must be >= 1")
+    if mesh is not None and sharding.axis_size(mesh, sharding.DATA) != 1:
+      raise ValueError(f"mesh {dict(mesh.shape)} has {sharding.axis_size(mesh, sharding.DATA)} "
+                       f"data replicas; one Engine runs one (use "
+                       f"paged_jax.data_parallel.DataParallelEngine)")
+    self.mesh = mesh
+    self.model_parallel = sharding.axis_size(mesh, sharding.MODEL)
+    if mesh is not None:
+      params = sharding.shard_params(params, cfg, mesh)   # checks the heads divide
     self.params, self.cfg, self.impl = params, cfg, impl
     self.validate_tables = (os.environ.get("PAGED_JAX_VALIDATE_TABLES") == "1"
                             if validate_tables is None else bool(validate_tables))
@@ -116,9 +129,9 @@ class Engine:
     self.tokenizer = tokenizer
     self.eos_token_ids = frozenset(_token_ids(eos_token_ids, cfg.vocab_size, "eos_token_ids"))
     self.steps = steps
-    device = jax.devices()[0]
+    device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    self.num_pages = cache.resolve_num_pages(cfg, stats)
+    self.num_pages = cache.resolve_num_pages(cfg, stats, self.model_parallel)
     self.page_size = cache.page_size
     self.bm = BlockManager(self.num_pages, cache.page_size,
                            enable_prefix_caching=cache.enable_prefix_caching,
@@ -136,15 +149,17 @@ class Engine:
     self._finished_outputs: list[RequestOutput] = []
     self._ids = itertools.count()
     self._stage = "run"
-    logging.info("KV pool: %d pages x %d tokens = %d tokens (%.1f MiB)", self.num_pages - 1,
-                 cache.page_size, self.capacity_tokens,
-                 self.num_pages * cache.bytes_per_page(cfg) / 2 ** 20)
+    logging.info("KV pool: %d pages x %d tokens = %d tokens (%.1f MiB per device, %d devices)",
+                 self.num_pages - 1, cache.page_size, self.capacity_tokens,
+                 self.num_pages * cache.bytes_per_page(cfg, self.model_parallel) / 2 ** 20,
+                 self.model_parallel)
 
   def _new_pool(self) -> KVPool:
     cfg = self.cfg
-    return KVPool.create(num_layers=cfg.num_layers, num_pages=self.num_pages,
-                         page_size=self.page_size, num_kv_heads=cfg.num_kv_heads,
-                         head_dim=cfg.head_dim, dtype=cfg.dtype)
+    kw = dict(num_layers=cfg.num_layers, num_pages=self.num_pages, page_size=self.page_size,
+              num_kv_heads=cfg.stored_kv_heads(self.model_parallel), head_dim=cfg.head_dim,
+              dtype=cfg.dtype)
+    return KVPool.create(**kw) if self.mesh is None else sharding.new_pool(self.mesh, **kw)
 
   # ------------------------------------------------------------------------------ requests
 
@@ -441,13 +456,18 @@ class Engine:
       fn = self.steps.sample_step
     args = (self.params, self.pool) + inputs
     t = time.perf_counter()
-    sampled, self.pool = fn(*args, **kw)
+    with self._mesh_context():
+      sampled, self.pool = fn(*args, **kw)
     out = jax.device_get(sampled)   # the one sync of the step
     device_s = time.perf_counter() - t
     host = {f.name: np.asarray(getattr(out, f.name)) for f in dataclasses.fields(out)}
     if plan.num_steps == 1:   # [S] -> [1, S]: one layout for both kinds of step
       host = {k: v[None] for k, v in host.items()}
     return host, device_s
+
+  def _mesh_context(self):
+    """The ambient mesh the model step reads (`sharding.over_kv_heads`); nothing without one."""
+    return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
 
   def _validate(self, plan: StepPlan, arrays: dict) -> None:
     if self.validate_tables:
@@ -507,6 +527,17 @@ class Engine:
                          num_cached_tokens=g.num_cached_tokens, error=error)
 
   # ------------------------------------------------------------------------------ metrics
+
+  @property
+  def kv_capacity_tokens(self) -> int:
+    """Tokens the KV budget holds: the pool's, or a contiguous baseline's slot space (the
+    scheduler's `reservation`), which then limits admission."""
+    reserved = self.scheduler.reserved
+    return reserved.capacity_tokens if reserved is not None else self.capacity_tokens
+
+  def check_invariants(self) -> None:
+    """The block manager's invariants (refcounts, free list, prefix cache); raises if broken."""
+    self.bm.check_invariants()
 
   def metrics(self) -> dict:
     """Counters, KV usage and prefix-cache hit rate (from the block manager)."""

@@ -17,7 +17,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from paged_jax import attention
+from paged_jax import attention, sharding
 from paged_jax.config import ModelConfig
 from paged_jax.kv_write import write_kv_layer
 from paged_jax.state import AttentionMetadata, KVPool
@@ -42,18 +42,20 @@ class PagedKV:
     Without `select`, decode rows and prefill chunks run as `attention.step_attention` splits
     them (one kernel launch on a GPU; decode rows and prefill rows apart on the XLA path).
     """
-    md = self.md
-    with jax.named_scope("kv_write"):
-      pool = self.pool.with_layer(layer, write_kv_layer(self.pool.k[layer], k, md.slots),
-                                  write_kv_layer(self.pool.v[layer], v, md.slots))
-    with jax.named_scope("attention"):
-      o = self._attention(pool, layer, q, k, v, sliding_window, select)
-    return o, self.replace(pool=pool)
+    def local(q, k, v, pages_k, pages_v, md, select):   # one device's heads (or all of them)
+      with jax.named_scope("kv_write"):
+        pages_k = write_kv_layer(pages_k, k, md.slots)
+        pages_v = write_kv_layer(pages_v, v, md.slots)
+      with jax.named_scope("attention"):
+        o = self._attention(md, pages_k, pages_v, q, k, v, sliding_window, select)
+      return o, pages_k, pages_v
+    o, pages_k, pages_v = sharding.over_kv_heads(local, q, k, v, self.pool.k[layer],
+                                                 self.pool.v[layer], self.md, select)
+    return o, self.replace(pool=self.pool.with_layer(layer, pages_k, pages_v))
 
-  def _attention(self, pool, layer, q, k, v, sliding_window, select):
-    md = self.md
+  def _attention(self, md, pages_k, pages_v, q, k, v, sliding_window, select):
     if select is None:
-      o = attention.step_attention(q, k, v, pool.k[layer], pool.v[layer], md.block_tables,
+      o = attention.step_attention(q, k, v, pages_k, pages_v, md.block_tables,
                                    md.seq_lens, md.cu_q_lens, num_decode=md.num_decode,
                                    max_q_len=md.max_q_len, sliding_window=sliding_window,
                                    impl=self.impl)
@@ -63,7 +65,7 @@ class PagedKV:
       q_lens = md.cu_q_lens[1:] - md.cu_q_lens[:-1]
       position = md.seq_lens[row] - q_lens[row] + select - md.cu_q_lens[row]
       o = attention.paged_attention(
-          q, pool.k[layer], pool.v[layer], md.block_tables[row],
+          q, pages_k, pages_v, md.block_tables[row],
           jnp.maximum(position + 1, 1).astype(jnp.int32),
           jnp.arange(select.shape[0] + 1, dtype=jnp.int32), max_q_len=1,
           sliding_window=sliding_window, impl=self.impl)

@@ -27,8 +27,9 @@ from absl import app, flags
 import jax
 import numpy as np
 
-from paged_jax import checkpoint, embedded, workloads
+from paged_jax import checkpoint, embedded, sharding, workloads
 from paged_jax.config import DEFAULT_COMPILATION_CACHE, CacheConfig, enable_compilation_cache
+from paged_jax.data_parallel import DataParallelEngine
 from paged_jax.engine import Engine
 from paged_jax.host.scheduler import SchedulerConfig
 from paged_jax.sampling import SamplingParams
@@ -70,6 +71,7 @@ class ServeConfig:
   progress: bool = True
   validate_tables: bool = False
   scrub_freed_pages: bool = False
+  mesh: str = "1x1"
 
 
 @dataclasses.dataclass
@@ -144,10 +146,13 @@ def make_requests(cfg: ServeConfig, mcfg, tokenizer) -> list[_Request]:
   return requests
 
 
-def make_engine(cfg: ServeConfig, params, mcfg, tokenizer, eos) -> Engine:
-  """The engine `cfg` describes. With a contiguous baseline (--reservation=max/pow2/oracle) the
-  KV budget becomes the baseline's slot space and the pool gets one slack page per batch row,
-  so the reservation, not the page pool, limits admission (see SchedulerConfig.reservation)."""
+def make_engine(cfg: ServeConfig, params, mcfg, tokenizer, eos):
+  """The engine `cfg` describes: an `Engine` (tensor parallel over --mesh's "model" devices), or
+  a `DataParallelEngine` of such replicas when --mesh has data > 1. With a contiguous baseline
+  (--reservation=max/pow2/oracle) the KV budget becomes the baseline's slot space and the pool
+  gets one slack page per batch row, so the reservation, not the page pool, limits admission
+  (see SchedulerConfig.reservation)."""
+  mesh = sharding.mesh_from_flag(cfg.mesh)
   cache = CacheConfig(page_size=cfg.page_size, num_pages=cfg.num_pages,
                       memory_bytes=cfg.kv_cache_bytes, memory_fraction=cfg.kv_cache_fraction,
                       enable_prefix_caching=cfg.enable_prefix_caching)
@@ -155,16 +160,20 @@ def make_engine(cfg: ServeConfig, params, mcfg, tokenizer, eos) -> Engine:
   if cfg.reservation != "paged":
     device = jax.devices()[0]
     budget = cache.resolve_num_pages(
-        mcfg, device.memory_stats() if hasattr(device, "memory_stats") else None)
+        mcfg, device.memory_stats() if hasattr(device, "memory_stats") else None,
+        sharding.parse_mesh(cfg.mesh)[1])
     reservation_tokens = (budget - 1) * cfg.page_size
     cache = dataclasses.replace(cache, num_pages=budget + cfg.max_num_seqs)
   sched = SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
                           max_num_batched_tokens=cfg.max_num_batched_tokens,
                           steps_per_sync=cfg.steps_per_sync, preemption_mode=cfg.preemption_mode,
                           reservation=cfg.reservation, reservation_tokens=reservation_tokens)
-  return Engine(params, mcfg, cache=cache, scheduler=sched, impl=cfg.impl, seed=cfg.seed,
-                tokenizer=tokenizer, eos_token_ids=eos, validate_tables=cfg.validate_tables,
-                scrub_freed_pages=cfg.scrub_freed_pages)
+  kw = dict(cache=cache, scheduler=sched, impl=cfg.impl, seed=cfg.seed, tokenizer=tokenizer,
+            eos_token_ids=eos, validate_tables=cfg.validate_tables,
+            scrub_freed_pages=cfg.scrub_freed_pages)
+  if mesh is not None and sharding.axis_size(mesh, sharding.DATA) > 1:
+    return DataParallelEngine(params, mcfg, mesh=mesh, **kw)
+  return Engine(params, mcfg, mesh=mesh, **kw)
 
 
 def serve(engine: Engine, requests: list[_Request], *, progress: bool = False):
@@ -210,8 +219,7 @@ def summarize(engine: Engine, requests: list[_Request], outs, seconds: float) ->
   per_seq_latency = [(o.finish_time - o.arrival_time) / max(1, len(c.token_ids))
                      for o in outs for c in o.outputs]
   m = engine.metrics()
-  reserved = engine.scheduler.reserved   # a contiguous baseline: its slots are the KV budget
-  capacity = reserved.capacity_tokens if reserved is not None else engine.capacity_tokens
+  capacity = engine.kv_capacity_tokens   # a contiguous baseline's slots, else the pool
   return {
       "num_requests": len(requests), "seconds": seconds,
       "input_tokens": input_tokens, "output_tokens": output_tokens,
@@ -243,7 +251,7 @@ def run(cfg: ServeConfig, model=None) -> dict:
     serve(make_engine(cfg, params, mcfg, tokenizer, eos), requests)
   engine = make_engine(cfg, params, mcfg, tokenizer, eos)
   outs, seconds = serve(engine, requests, progress=cfg.progress)
-  engine.bm.check_invariants()
+  engine.check_invariants()
   summary = summarize(engine, requests, outs, seconds)
   summary["compile_included"] = not cfg.warmup
   summary["completions"] = [{"request": i, "token_ids": c.token_ids, "text": c.text,
@@ -252,6 +260,7 @@ def run(cfg: ServeConfig, model=None) -> dict:
   summary["config"] = dataclasses.asdict(cfg)
   summary["jax"] = jax.__version__
   summary["device"] = jax.devices()[0].device_kind
+  summary["devices"] = int(np.prod(sharding.parse_mesh(cfg.mesh)))
   return summary
 
 
@@ -270,6 +279,8 @@ def report(r: dict) -> str:
       f"prefix-cache hit rate {100 * r['prefix_hit_rate']:.1f}%; "
       f"{r['preemptions']} preemptions",
   ]
+  if r["config"].get("mesh", "1x1") not in ("1x1", "1"):
+    lines.append(f"  mesh {r['config']['mesh']} (data x model): {r['devices']} devices")
   if r["config"]["validate_tables"]:
     lines.append(f"  table validation: {r['validate_s'] * 1e3:.1f} ms "
                  f"({100 * r['validate_s'] / r['seconds']:.2f}% of the run)")
@@ -296,7 +307,8 @@ def main(argv):
       preemption_mode=f.preemption_mode, reservation=f.reservation,
       enable_prefix_caching=f.enable_prefix_caching,
       impl=f.impl, dtype=f.dtype, seed=f.seed, warmup=f.warmup, progress=f.progress,
-      validate_tables=f.validate_tables, scrub_freed_pages=f.scrub_freed_pages)
+      validate_tables=f.validate_tables, scrub_freed_pages=f.scrub_freed_pages, mesh=f.mesh)
+  sharding.ensure_host_devices(cfg.mesh)
   r = run(cfg)
   print(report(r))
   if f.json:
@@ -342,6 +354,8 @@ def define_flags():
                     "against the block manager before the device runs it (its cost is reported).")
   flags.DEFINE_bool("scrub_freed_pages", False, "Zero pages as they are freed.")
   flags.DEFINE_string("json", None, "Write the summary as JSON here.")
+  flags.DEFINE_string("mesh", "1x1", "DATAxMODEL devices: MODEL-way tensor parallel over heads, "
+                      "DATA engine replicas (on the CPU, that many simulated devices).")
   flags.DEFINE_string("compilation_cache", DEFAULT_COMPILATION_CACHE,
                       "Directory for compiled programs, reused by later runs ('' = off).")
 
