@@ -51,7 +51,7 @@ def _model(cfg: OnDeviceBenchConfig):
   bench = serve_bench.BenchConfig(preset=cfg.preset, num_requests=cfg.num_requests,
                                   new_tokens=cfg.new_tokens)
   p = serve_bench.PRESETS[cfg.preset]
-  model_cfg = ModelConfig(vocab_size=bench.vocab_size, hidden_size=p["hidden_size"],
+  model_cfg = ModelConfig(vocab_size=serve_bench.vocab_size(bench), hidden_size=p["hidden_size"],
                           intermediate_size=p["intermediate_size"], num_layers=p["num_layers"],
                           num_q_heads=p["num_q_heads"], num_kv_heads=p["num_kv_heads"],
                           head_dim=p["head_dim"], max_position=bench.max_prompt + cfg.new_tokens)

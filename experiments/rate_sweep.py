@@ -61,6 +61,7 @@ class RateConfig:
   rate_fractions: tuple[float, ...] = (0.15, 0.3, 0.5, 0.7, 0.85, 1.0, 1.2, 1.5, 2.0)
   latency_factor: float = 3.0
   seed: int = 0
+  mesh: str = "1x1"                    # DATAxMODEL devices for every engine (paged_jax.sharding)
   progress: bool = True
   results_dir: str | None = RESULTS
 
@@ -95,7 +96,7 @@ def run(cfg: RateConfig, model=None, progress=print) -> dict:
                      f"its saturation rate)")
   model = model or load_model(cfg.model)
   base = dict(num_pages=cfg.kv_pages, page_size=cfg.page_size, num_requests=cfg.num_requests,
-              seed=cfg.seed, progress=False)
+              seed=cfg.seed, progress=False, mesh=cfg.mesh)
   rows, summary = [], {}
   total = len(cfg.workloads) * len(cfg.systems) * (len(cfg.rate_fractions) + 1)
   with tqdm(total=total, disable=not cfg.progress, unit="run", desc="rate sweep") as bar:
@@ -175,11 +176,13 @@ def plot(result: dict, path: str) -> str:
 
 
 def main(_):
+  from paged_jax import sharding
   from paged_jax.config import enable_compilation_cache
   enable_compilation_cache()
+  sharding.ensure_host_devices(_MESH.value)   # before jax starts (simulated CPU devices)
   run(RateConfig(model=_MODEL.value, workloads=tuple(_WORKLOADS.value),
                  num_requests=_NUM_REQUESTS.value, kv_pages=_KV_PAGES.value,
-                 latency_factor=_FACTOR.value))
+                 latency_factor=_FACTOR.value, mesh=_MESH.value))
 
 
 if __name__ == "__main__":
@@ -192,4 +195,6 @@ if __name__ == "__main__":
   _FACTOR = flags.DEFINE_float("latency_factor", RateConfig.latency_factor,
                                "Sustainable = normalized latency under this factor times the "
                                "paged engine's at the lowest rate.")
+  _MESH = flags.DEFINE_string("mesh", "1x1", "DATAxMODEL devices per engine (kv_pages is per "
+                              "data replica).")
   app.run(main)

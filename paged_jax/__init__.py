@@ -6,6 +6,7 @@ from paged_jax.attention import (contiguous_attention, dense_attention, merge_st
                                  validate_attention_inputs)
 from paged_jax.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from paged_jax.config import CacheConfig, ModelConfig
+from paged_jax.data_parallel import DataParallelEngine, make_engine
 from paged_jax.engine import Engine
 from paged_jax.generate import Generator
 from paged_jax.host.block_manager import BlockManager
@@ -19,4 +20,4 @@ __all__ = ["NULL_PAGE", "KVPool", "AttentionMetadata", "kv_cache_bytes", "write_
            "dense_attention", "paged_attention", "paged_attention_xla", "paged_attention_reference",
            "contiguous_attention", "merge_states", "validate_attention_inputs", "BlockManager",
            "ModelConfig", "CacheConfig", "SchedulerConfig", "SamplingParams", "Engine",
-           "RequestOutput", "Generator", "load_checkpoint", "save_checkpoint", "CheckpointError"]
+           "RequestOutput", "Generator", "DataParallelEngine", "make_engine", "load_checkpoint", "save_checkpoint", "CheckpointError"]

@@ -33,6 +33,15 @@ from paged_jax.host.sequence import RequestOutput
 from paged_jax.sampling import SamplingParams
 
 
+def make_engine(params, cfg: ModelConfig, *, mesh=None, **engine_kw):
+  """The engine for a mesh: one `Engine` (tensor parallel over the "model" devices when there
+  are several), or a `DataParallelEngine` of such replicas when the "data" axis has more than
+  one row. mesh None: one device."""
+  if mesh is not None and sharding.axis_size(mesh, sharding.DATA) > 1:
+    return DataParallelEngine(params, cfg, mesh=mesh, **engine_kw)
+  return Engine(params, cfg, mesh=mesh, **engine_kw)
+
+
 def place(loads: Seq[int]) -> int:
   """The replica for a new request: the least loaded (pages its unfinished requests may hold;
   every replica has the same pool), the lowest index on a tie."""
@@ -103,7 +112,13 @@ class DataParallelEngine:
     self._loads[r] += need
     return request_id
 
+  @property
+  def loads(self) -> list[int]:
+    """Per replica: pages its unfinished requests may hold (what `place` compares)."""
+    return list(self._loads)
+
   def abort(self, request_id: str) -> bool:
+    """Stops a request on its replica (`Engine.abort`); False if unknown or finished."""
     r = self._where.get(request_id)
     return r is not None and self.replicas[r].abort(request_id)
 

@@ -129,7 +129,8 @@ class Engine:
     self.tokenizer = tokenizer
     self.eos_token_ids = frozenset(_token_ids(eos_token_ids, cfg.vocab_size, "eos_token_ids"))
     self.steps = steps
-    device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
+    device = (jax.devices()[0] if mesh is None else   # this process's first device of the mesh
+              next(d for d in mesh.devices.flat if d.process_index == jax.process_index()))
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     self.num_pages = cache.resolve_num_pages(cfg, stats, self.model_parallel)
     self.page_size = cache.page_size

@@ -27,9 +27,8 @@ from absl import app, flags
 import jax
 import numpy as np
 
-from paged_jax import checkpoint, embedded, sharding, workloads
+from paged_jax import checkpoint, data_parallel, embedded, sharding, workloads
 from paged_jax.config import DEFAULT_COMPILATION_CACHE, CacheConfig, enable_compilation_cache
-from paged_jax.data_parallel import DataParallelEngine
 from paged_jax.engine import Engine
 from paged_jax.host.scheduler import SchedulerConfig
 from paged_jax.sampling import SamplingParams
@@ -171,9 +170,7 @@ def make_engine(cfg: ServeConfig, params, mcfg, tokenizer, eos):
   kw = dict(cache=cache, scheduler=sched, impl=cfg.impl, seed=cfg.seed, tokenizer=tokenizer,
             eos_token_ids=eos, validate_tables=cfg.validate_tables,
             scrub_freed_pages=cfg.scrub_freed_pages)
-  if mesh is not None and sharding.axis_size(mesh, sharding.DATA) > 1:
-    return DataParallelEngine(params, mcfg, mesh=mesh, **kw)
-  return Engine(params, mcfg, mesh=mesh, **kw)
+  return data_parallel.make_engine(params, mcfg, mesh=mesh, **kw)
 
 
 def serve(engine: Engine, requests: list[_Request], *, progress: bool = False):

@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 
@@ -140,23 +141,23 @@ def shard_params(params, cfg: ModelConfig, mesh: Mesh):
   return jax.device_put(params, param_shardings(params, cfg, mesh))
 
 
+def _pool_sharding(mesh: Mesh, num_kv_heads: int) -> NamedSharding:
+  model = axis_size(mesh, MODEL)
+  if num_kv_heads % model:
+    raise ValueError(f"a pool of {num_kv_heads} KV heads does not divide across model={model} "
+                     f"devices (give it ModelConfig.stored_kv_heads({model}) heads)")
+  return NamedSharding(mesh, POOL_SPEC)
+
+
 def new_pool(mesh: Mesh, **create_kw) -> KVPool:
   """`KVPool.create(**create_kw)` born split over the mesh (no device ever holds it whole)."""
-  model = axis_size(mesh, MODEL)
-  if create_kw["num_kv_heads"] % model:
-    raise ValueError(f"num_kv_heads={create_kw['num_kv_heads']} pool heads do not divide "
-                     f"across model={model} devices (use ModelConfig.stored_kv_heads(model))")
-  return jax.jit(lambda: KVPool.create(**create_kw), out_shardings=NamedSharding(mesh, POOL_SPEC))()
+  return jax.jit(lambda: KVPool.create(**create_kw),
+                 out_shardings=_pool_sharding(mesh, create_kw["num_kv_heads"]))()
 
 
 def shard_pool(pool: KVPool, mesh: Mesh) -> KVPool:
   """The pool placed with its KV-heads axis split over "model"."""
-  model = axis_size(mesh, MODEL)
-  if pool.num_kv_heads % model:
-    raise ValueError(f"the pool stores {pool.num_kv_heads} KV heads, which do not divide "
-                     f"across model={model} devices (create it with "
-                     f"ModelConfig.stored_kv_heads(model) heads)")
-  return jax.device_put(pool, NamedSharding(mesh, POOL_SPEC))
+  return jax.device_put(pool, _pool_sharding(mesh, pool.num_kv_heads))
 
 
 def replica_meshes(mesh: Mesh) -> list[Mesh]:
@@ -182,8 +183,8 @@ def over_kv_heads(fn, q, k, v, pages_k, pages_v, *replicated):
     return fn(q, k, v, pages_k, pages_v, *replicated)
   stored = pages_k.shape[2]
   if stored != k.shape[1]:   # replicated KV heads: head j of the pool is KV head j // r
-    k = jax.numpy.repeat(k, stored // k.shape[1], axis=1)
-    v = jax.numpy.repeat(v, stored // v.shape[1], axis=1)
+    k = jnp.repeat(k, stored // k.shape[1], axis=1)
+    v = jnp.repeat(v, stored // v.shape[1], axis=1)
   specs = (HEADS_SPEC, HEADS_SPEC, HEADS_SPEC, POOL_SPEC, POOL_SPEC) + (P(),) * len(replicated)
   return jax.shard_map(fn, in_specs=specs, out_specs=(HEADS_SPEC, POOL_SPEC, POOL_SPEC),
                        check_vma=False)(q, k, v, pages_k, pages_v, *replicated)

@@ -163,7 +163,7 @@ class _Plan:
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
-  """Default tile limits for one (dtype, precision, head_dim): see `default_tiles`."""
+  """Default tile limits for one (dtype, precision, head_dim, group): see `default_tiles`."""
   max_rows: int       # rows (query x head of the group) per program, a power of two >= 16
   block_tokens: int   # keys per inner step, a power of two >= 16
   num_warps: int
@@ -171,7 +171,7 @@ class Tiles:
   max_chunk: int | None = None   # widest head_dim slice per dot (None: whole power-of-two parts)
 
 
-def default_tiles(dtype, precision: str, head_dim: int) -> Tiles:
+def default_tiles(dtype, precision: str, head_dim: int, group: int = 1) -> Tiles:
   """The tiles that compile without register spills for sm_80 and sm_90, for page sizes 1-64+,
   decode / mixed / prefill, GQA groups 1-8, with and without window and soft cap (checked by
   `python -m experiments.kernel_ptx`; the table is in WORKSPACE.md, "Kernel resources").
@@ -180,7 +180,9 @@ def default_tiles(dtype, precision: str, head_dim: int) -> Tiles:
   keeps its operands in shared memory, so 64 rows x 32 keys fit; the IEEE f32 dot ("highest") runs
   on FMA units and holds each thread's operand rows and columns in registers, so it needs the
   smallest tiles (16 rows, 16 keys, 16-wide head_dim slices) over 8 warps. Larger heads and f32
-  operands (twice bf16's bytes) take more warps and narrower slices.
+  operands (twice bf16's bytes) take more warps and narrower slices. `group` (query heads per
+  KV head) matters only for f32 "tf32x3" at head_dim 256, where no one tile set was clean for
+  every group (see below).
   """
   f32 = jnp.dtype(dtype) == jnp.float32
   pow2 = head_dim & (head_dim - 1) == 0
@@ -206,9 +208,11 @@ def default_tiles(dtype, precision: str, head_dim: int) -> Tiles:
     return Tiles(max_rows=32, block_tokens=16, num_warps=8, num_stages=2, max_chunk=32)
   if head_dim <= 128:
     return Tiles(max_rows=16, block_tokens=16, num_warps=4, num_stages=3, max_chunk=32)
-  # head_dim 256: the best of 18 candidates; one configuration still spills 20 B on sm_90
-  # (experiments/kernel_ptx.py KNOWN_SPILLS).
-  return Tiles(max_rows=16, block_tokens=32, num_warps=4, num_stages=2, max_chunk=32)
+  # head_dim 256. With 32 keys per step, group 1's prefill with window and soft cap on 64-token
+  # pages spilled 20 B on sm_90; with 16, group 8's mixed batches spilled 12 B; each was clean
+  # where the other spilled (WORKSPACE.md, "Kernel resources").
+  return Tiles(max_rows=16, block_tokens=32 if group >= 8 else 16, num_warps=4, num_stages=2,
+               max_chunk=32)
 
 
 def plan(num_seqs: int, num_kv_heads: int, group: int, max_q_len: int, max_pages_per_seq: int,
@@ -216,7 +220,7 @@ def plan(num_seqs: int, num_kv_heads: int, group: int, max_q_len: int, max_pages
          dtype=jnp.bfloat16, precision: str = "highest") -> _Plan:
   """Chooses tiles from static shapes: rows up to `Tiles.max_rows` per program, >= 16 keys per
   inner step, and enough KV splits to give ~target_programs programs; `block_sizes` overrides."""
-  tiles = default_tiles(jnp.dtype(dtype), precision, head_dim)
+  tiles = default_tiles(jnp.dtype(dtype), precision, head_dim, group)
   block_q = block_sizes.block_q or (1 if max_q_len == 1 else
                                     max(1, min(_next_pow2(max_q_len), tiles.max_rows // group)))
   block_rows = max(_MIN_DOT, _next_pow2(block_q * group))

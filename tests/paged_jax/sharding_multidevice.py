@@ -22,6 +22,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from experiments import mesh_bench, output  # noqa: E402
 from paged_jax import config, page_ops, serve, sharding, step, testing  # noqa: E402
 from paged_jax.config import CacheConfig  # noqa: E402
 from paged_jax.data_parallel import DataParallelEngine  # noqa: E402
@@ -212,8 +213,34 @@ class EngineTest(parameterized.TestCase):
       self.assertEqual(len(set().union(*(e.pool.k[0].sharding.device_set for e in replicas))),
                        data * model)
 
+  def test_data_parallel_bookkeeping(self):
+    engine = DataParallelEngine(PARAMS, CFG, mesh=sharding.make_mesh(2, 1), **_engine_kw())
+    sp = SamplingParams(max_tokens=6, temperature=0.0)
+    long = SamplingParams(max_tokens=30, temperature=0.0)
+    a = engine.add_request([1, 2, 3], long)      # 9 pages at most -> replica 0
+    b = engine.add_request([4, 5], sp)           # replica 1 (0 is loaded)
+    c = engine.add_request([6, 7, 8], sp)        # replica 1 again: 2 + 2 pages < 9
+    self.assertEqual([engine.placement(x) for x in (a, b, c)], [0, 1, 1])
+    with self.assertRaisesRegex(ValueError, "request_id='req-0' is already in use"):
+      engine.add_request([1], sp, request_id=a)
+    with self.assertRaisesRegex(ValueError, "outside"):
+      engine.add_request([CFG.vocab_size], sp)   # refused, nothing queued
+    self.assertTrue(engine.abort(c))
+    self.assertFalse(engine.abort("nope"))
+    finished = {o.request_id: o for o in engine.stream() if o.finished}
+    self.assertEqual(set(finished), {a, b, c})
+    self.assertEqual(finished[c].outputs[0].finish_reason, "abort")
+    self.assertEqual(len(finished[a].outputs[0].token_ids), 30)
+    self.assertIsNone(engine.placement(a))        # finished: the load is released
+    self.assertEqual(engine.loads, [0, 0])
+    m = engine.metrics()
+    self.assertEqual(m["decode_tokens"], sum(r["decode_tokens"] for r in m["replicas"]))
+    self.assertEqual(m["num_pages"], 2 * 14)
+    self.assertEqual(engine.capacity_tokens, 2 * 13 * PAGE)
+    engine.check_invariants()
 
-class ServeTest(parameterized.TestCase):
+
+class ServeTest(absltest.TestCase):
   """`python -m paged_jax.serve --mesh=...` on the embedded model (4 query heads over 2 KV
   heads): the same completions as one device."""
 
@@ -229,13 +256,36 @@ class ServeTest(parameterized.TestCase):
                             num_pages=40, page_size=8)
     return [c["token_ids"] for c in serve.run(cfg, cls.model)["completions"]]
 
-  @parameterized.parameters("2x4")   # the other meshes run in EngineTest; this is the flag's path
-  def test_mesh_flag(self, mesh):
-    self.assertEqual(self._completions(mesh), self.ref)
+  def test_mesh_flag(self):   # the other meshes run in EngineTest; this is the flag's path
+    self.assertEqual(self._completions("2x4"), self.ref)
 
   def test_heads_that_do_not_divide(self):
     with self.assertRaisesRegex(ValueError, "num_q_heads=4 does not divide across model=8"):
       self._completions("1x8")
+
+
+class MeshBenchTest(absltest.TestCase):
+
+  def test_capacity_grows_with_devices(self):
+    out = self.create_tempdir().full_path
+    cfg = mesh_bench.MeshBenchConfig(preset="tiny", meshes=("1x1", "1x2", "1x4", "2x1"),
+                                     num_requests=3, new_tokens=4, results_dir=out)
+    r = mesh_bench.run(cfg, progress=lambda *_: None)
+    rows = {x["mesh"]: x for x in r["rows"]}
+    self.assertTrue(all(x["same_tokens_as_one_device"] for x in r["rows"]))
+    budget = cfg.kv_bytes_per_device
+    for x in r["rows"]:   # every device's shard of the pool stays within the budget
+      self.assertLessEqual(x["pool_bytes_per_device"], budget)
+      self.assertGreater(x["pool_bytes_per_device"], 0.99 * budget)
+    # tiny: 2 KV heads. 2-way TP halves each device's page: twice the pages; 4-way replicates
+    # each KV head on 2 devices (one head per device): still twice; 2 replicas: twice.
+    self.assertAlmostEqual(rows["1x2"]["capacity_x"], 2.0, delta=0.01)
+    self.assertAlmostEqual(rows["1x4"]["capacity_x"], 2.0, delta=0.01)
+    self.assertEqual(rows["1x4"]["stored_kv_heads"], 4)
+    self.assertAlmostEqual(rows["2x1"]["capacity_x"], 2.0, delta=0.01)
+    self.assertIn("1x4", mesh_bench.format_result(r))
+    output.record(r, out, "mesh_bench", mesh_bench.plot)
+    self.assertTrue(os.path.getsize(os.path.join(out, "mesh_bench.png")) > 0)
 
 
 if __name__ == "__main__":

@@ -98,6 +98,16 @@ class TensorParallelLayoutTest(parameterized.TestCase):
     self.assertEqual(spec("layers_0_self_attn/q_proj/kernel", model=8), P(None, "model"))
     self.assertEqual(spec("layers_0_self_attn/q_proj/kernel", model=1), P())
 
+  def test_pool_heads_must_divide(self):
+    from paged_jax.state import KVPool
+    mesh = sharding.make_mesh(1, 1)
+    kw = dict(num_layers=1, num_pages=4, page_size=2, num_kv_heads=3, head_dim=4)
+    self.assertEqual(sharding.new_pool(mesh, **kw).k[0].shape, (4, 2, 3, 4))
+    self.assertEqual(sharding.shard_pool(KVPool.create(**kw), mesh).v[0].shape, (4, 2, 3, 4))
+    with self.assertRaisesRegex(ValueError, "a pool of 3 KV heads does not divide across "
+                                            "model=2"):
+      sharding._pool_sharding(jax.sharding.AbstractMesh((1, 2), ("data", "model")), 3)
+
   def test_budget_per_device(self):
     # A byte budget is per device: each of `model` devices holds 1 / model of every page, so the
     # pool's pages (and tokens) grow with the devices until KV heads are replicated.
@@ -132,6 +142,19 @@ class MultiDeviceTest(absltest.TestCase):
     self.assertEqual(proc.returncode, 0, tail)
     self.assertRegex(proc.stderr, r"Ran (1[0-9]|[2-9][0-9]) tests", tail)   # nothing silently skipped
     self.assertNotIn("skipped", proc.stderr, tail)
+
+
+class MultiHostTest(absltest.TestCase):
+
+  def test_loopback_processes(self):
+    # 2 processes x 2 CPU devices joined by jax.distributed (gloo): the engine's mesh spans
+    # both, and each process's greedy tokens equal one device's.
+    proc = subprocess.run([sys.executable, "-m", "experiments.multihost_check", "--timeout_s=240"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=400)
+    tail = (proc.stdout + proc.stderr)[-4000:]
+    self.assertEqual(proc.returncode, 0, tail)
+    self.assertIn("process 1: 2 of 4 devices", proc.stdout, tail)
+    self.assertIn("mesh 1x4: tokens equal one device's: True", proc.stdout, tail)
 
 
 if __name__ == "__main__":

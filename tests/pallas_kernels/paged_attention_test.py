@@ -5,6 +5,7 @@ slot past a sequence's length with NaN, and shuffles the block tables.
 """
 
 import functools
+import itertools
 
 from absl.testing import absltest, parameterized
 import chex
@@ -279,12 +280,12 @@ class DispatchTest(absltest.TestCase):
   def test_default_tiles_are_valid_and_planned(self):
     for dtype in (jnp.bfloat16, jnp.float32):
       for precision in kernel_triton.PRECISIONS:
-        for head_dim in (64, 80, 96, 128, 256):
-          tiles = kernel_triton.default_tiles(jnp.dtype(dtype), precision, head_dim)
+        for head_dim, group in itertools.product((64, 80, 96, 128, 256), (1, 4, 8)):
+          tiles = kernel_triton.default_tiles(jnp.dtype(dtype), precision, head_dim, group)
           for value in (tiles.max_rows, tiles.block_tokens):
             self.assertGreaterEqual(value, 16)
             self.assertEqual(value & (value - 1), 0)
-          p = kernel_triton.plan(4, 2, 4, 256, 64, 64, kernel_triton.BlockSizes(),
+          p = kernel_triton.plan(4, 2, group, 256, 64, 64, kernel_triton.BlockSizes(),
                                  head_dim=head_dim, dtype=dtype, precision=precision)
           self.assertLessEqual(p.block_rows, tiles.max_rows)
           self.assertEqual((p.block_tokens, p.num_warps, p.num_stages),
