@@ -22,9 +22,7 @@ experiments/results/latency_bench.jsonl.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import subprocess
 import tempfile
 
 from absl import app, flags
@@ -97,18 +95,9 @@ def run_vllm(cfg: LatencyConfig, path: str, requests_by_rate: dict) -> dict:
   runs = [dict(name=rate, requests=[dict(prompt=r.prompt, max_tokens=r.params.max_tokens,
                                          arrival=r.arrival) for r in reqs])
           for rate, reqs in requests_by_rate.items()]
-  env = {**os.environ, "OMP_NUM_THREADS": str(cfg.torch_threads)}
-  with tempfile.TemporaryDirectory() as tmp:
-    job, result = os.path.join(tmp, "job.json"), os.path.join(tmp, "result.json")
-    with open(job, "w") as fh:
-      json.dump(dict(model_dir=path, runs=runs, threads=cfg.torch_threads,
-                     max_model_len=cfg.max_position), fh)
-    done = subprocess.run([cfg.vllm_python, serve_bench.VLLM_WORKER, job, result],
-                          capture_output=True, text=True, env=env)
-    if done.returncode or not os.path.exists(result):
-      raise RuntimeError(f"worker vllm failed:\n{done.stderr[-3000:]}")
-    with open(result) as fh:
-      raw = json.load(fh)
+  raw = serve_bench.run_vllm_worker(
+      cfg.vllm_python, dict(model_dir=path, runs=runs, max_model_len=cfg.max_position),
+      cfg.torch_threads)
   out = {}
   for rate, rows in raw.items():
     s = summarize([r["arrival"] for r in rows], [r["first_token"] for r in rows],

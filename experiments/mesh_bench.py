@@ -49,7 +49,7 @@ class MeshBenchConfig:
 
 def _model(cfg: MeshBenchConfig):
   from experiments import ondevice_bench
-  return ondevice_bench._model(ondevice_bench.OnDeviceBenchConfig(
+  return ondevice_bench.preset_model(ondevice_bench.OnDeviceBenchConfig(
       preset=cfg.preset, num_requests=cfg.num_requests, new_tokens=cfg.new_tokens))
 
 

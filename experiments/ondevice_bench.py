@@ -47,7 +47,8 @@ class OnDeviceBenchConfig:
   results: str | None = RESULTS
 
 
-def _model(cfg: OnDeviceBenchConfig):
+def preset_model(cfg: OnDeviceBenchConfig):
+  """(params, model config, prompts): the serve benchmark's random-init preset and workload."""
   bench = serve_bench.BenchConfig(preset=cfg.preset, num_requests=cfg.num_requests,
                                   new_tokens=cfg.new_tokens)
   p = serve_bench.PRESETS[cfg.preset]
@@ -59,7 +60,7 @@ def _model(cfg: OnDeviceBenchConfig):
 
 
 def run(cfg: OnDeviceBenchConfig, progress=print) -> dict:
-  params, model_cfg, prompts = _model(cfg)
+  params, model_cfg, prompts = preset_model(cfg)
   num_pages = 1 + sum(-(-(len(p) + cfg.new_tokens) // cfg.page_size) for p in prompts)
   lens = np.asarray([len(p) for p in prompts], np.int32)
   padded = np.zeros((len(prompts), int(lens.max())), np.int32)

@@ -249,21 +249,26 @@ def floors(cfg: BenchConfig) -> dict:
 # ---------------------------------------------------------------------------------- driver
 
 
-def _spawn_vllm(cfg: BenchConfig, path: str) -> dict:
-  prompts = workload(cfg)
-  env = {**os.environ, "OMP_NUM_THREADS": str(cfg.torch_threads)}
+def run_vllm_worker(python: str, job: dict, threads: int) -> dict:
+  """`experiments/vllm_worker.py` on `job` (see its docstring) under `python`; its result."""
+  env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
   with tempfile.TemporaryDirectory() as tmp:
-    job, result = os.path.join(tmp, "job.json"), os.path.join(tmp, "result.json")
-    with open(job, "w") as fh:
-      json.dump(dict(model_dir=path, prompts=prompts, new_tokens=cfg.new_tokens,
-                     block_size=cfg.vllm_block_size, threads=cfg.torch_threads,
-                     max_model_len=max(map(len, prompts)) + cfg.new_tokens), fh)
-    done = subprocess.run([cfg.vllm_python, VLLM_WORKER, job, result], capture_output=True,
+    job_path, result = os.path.join(tmp, "job.json"), os.path.join(tmp, "result.json")
+    with open(job_path, "w") as fh:
+      json.dump(dict(job, threads=threads), fh)
+    done = subprocess.run([python, VLLM_WORKER, job_path, result], capture_output=True,
                           text=True, env=env)
     if done.returncode or not os.path.exists(result):
       raise RuntimeError(f"worker vllm failed:\n{done.stderr[-3000:]}")
     with open(result) as fh:
       return json.load(fh)
+
+
+def _spawn_vllm(cfg: BenchConfig, path: str) -> dict:
+  prompts = workload(cfg)
+  return run_vllm_worker(cfg.vllm_python, dict(
+      model_dir=path, prompts=prompts, new_tokens=cfg.new_tokens, block_size=cfg.vllm_block_size,
+      max_model_len=max(map(len, prompts)) + cfg.new_tokens), cfg.torch_threads)
 
 
 def _spawn(engine: str, cfg: BenchConfig, path: str) -> dict:
