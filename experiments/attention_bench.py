@@ -15,6 +15,8 @@ Paths:
   dense_blocked    `contiguous_attention`: the XLA paged loop over contiguous K/V. The fair CPU
                    baseline: the paged/dense ratio is paged_xla / dense_blocked.
   paged_xla        `paged_attention_xla`: reads K/V through shuffled block tables.
+  decode_xla       `decode_attention_xla` (decode only): the same pages split into (row, key
+                   block) work items, so ragged rows (--min_seq_len) cost their own length.
   pallas           our Triton kernel (`pallas_kernels.paged_attention`), GPU (or --interpret).
   jax_paged        `jax.experimental.pallas.ops.gpu.paged_attention` (decode only; its pool is
                    [kv_heads, pages, page_size, head_dim], prepared once outside the timing; it has no
@@ -45,7 +47,8 @@ import numpy as np
 from paged_jax import attention
 from pallas_kernels.paged_attention import kernel_triton, reference
 
-ALL_IMPLS = ("dense_reference", "dense_blocked", "paged_xla", "pallas", "jax_paged", "jax_decode")
+ALL_IMPLS = ("dense_reference", "dense_blocked", "paged_xla", "decode_xla", "pallas", "jax_paged",
+             "jax_decode")
 KERNEL_IMPLS = ("pallas", "jax_paged", "jax_decode")
 _DECODE_ONLY = ("jax_paged", "jax_decode")
 
@@ -54,6 +57,7 @@ _DECODE_ONLY = ("jax_paged", "jax_decode")
 class BenchConfig:
   num_seqs: int = 32
   seq_len: int = 1024
+  min_seq_len: int | None = None   # set: row lengths uniform in [min_seq_len, seq_len] (seeded)
   q_len: int = 1                # queries per prefill sequence (1 = decode)
   num_prefill_seqs: int | None = None   # mixed mode: this many prefill rows, the rest decode
   page_size: int = 16
@@ -97,6 +101,16 @@ def copy_bandwidth(num_bytes: int = 256 * 2**20, rounds: int = 5) -> float:
   return 2 * num_bytes / statistics.median(times)
 
 
+def seq_lens(cfg: BenchConfig) -> np.ndarray:
+  """i32[num_seqs] keys per row: seq_len each, or uniform in [min_seq_len, seq_len]."""
+  if cfg.min_seq_len is None:
+    return np.full(cfg.num_seqs, cfg.seq_len, np.int32)
+  if not 1 <= cfg.min_seq_len <= cfg.seq_len:
+    raise ValueError(f"min_seq_len={cfg.min_seq_len} must be in [1, seq_len={cfg.seq_len}]")
+  return np.random.default_rng(0).integers(cfg.min_seq_len, cfg.seq_len + 1, cfg.num_seqs,
+                                           dtype=np.int32)
+
+
 def make_inputs(cfg: BenchConfig) -> dict:
   """Contiguous and paged (shuffled pages, NaN in NULL_PAGE) copies of the same K/V, built on
   the device so GPU-sized shapes do not wait on host RNG."""
@@ -120,7 +134,7 @@ def make_inputs(cfg: BenchConfig) -> dict:
   q_lens = cfg.q_lens
   q = jax.random.normal(kq, (int(q_lens.sum()), cfg.num_q_heads, cfg.head_dim), dtype)
   return dict(q=q, k=k, v=v, k_pages=as_pages(k), v_pages=as_pages(v), block_tables=tables,
-              seq_lens=jnp.full((cfg.num_seqs,), cfg.seq_len, jnp.int32),
+              seq_lens=jnp.asarray(seq_lens(cfg), jnp.int32),
               cu_q_lens=jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32))
 
 
@@ -160,6 +174,9 @@ def implementations(cfg: BenchConfig, data: dict) -> dict[str, Callable[[dict], 
           d["q"], d["k_pages"], d["v_pages"], d["block_tables"], d["seq_lens"], d["cu_q_lens"],
           max_q_len=max_q_len, pages_per_block=ppb),
   }
+  if cfg.mode == "decode":
+    impls["decode_xla"] = lambda d: attention.decode_attention_xla(
+        d["q"], d["k_pages"], d["v_pages"], d["block_tables"], d["seq_lens"], d["cu_q_lens"])
   if cfg.interpret or attention.kernel_unavailable_reason(cfg.head_dim, cfg.page_size) is None:
     impls["pallas"] = lambda d: kernel_triton.paged_attention(
         d["q"], d["k_pages"], d["v_pages"], d["block_tables"], d["seq_lens"], d["cu_q_lens"],
@@ -212,8 +229,8 @@ def run(cfg: BenchConfig, copy_bytes_per_s: float | None = None) -> list[dict]:
         out = f(data)
       out.block_until_ready()
       samples[name].append((time.perf_counter() - t) / cfg.iters)
-  kv_bytes = (2 * cfg.num_seqs * cfg.seq_len * cfg.num_kv_heads * cfg.head_dim
-              * jnp.dtype(cfg.dtype).itemsize)
+  kv_bytes = (2 * int(seq_lens(cfg).sum()) * cfg.num_kv_heads * cfg.head_dim
+               * jnp.dtype(cfg.dtype).itemsize)   # the keys and values the rows hold
   base = statistics.median(samples[cfg.baseline]) if cfg.baseline in samples else None
   records = []
   for name in names:
@@ -291,7 +308,7 @@ def main(argv):
                 head_dim=pick(_HEAD_DIM, "head_dim"), dtype=pick(_DTYPE, "dtype"),
                 block_tokens=_BLOCK_TOKENS.value, impls=impls, table_order=_TABLE_ORDER.value,
                 baseline=_BASELINE.value or preset["baseline"], rounds=_ROUNDS.value,
-                iters=_ITERS.value)
+                iters=_ITERS.value, min_seq_len=_MIN_SEQ_LEN.value)
   configs = []
   for mode in _MODES.value:
     for seq_len in seq_lens:
@@ -327,6 +344,8 @@ if __name__ == "__main__":
   _PRESET = flags.DEFINE_enum("preset", "cpu", list(PRESETS), "Shape sweep (flags below override).")
   _SEQ_LENS = flags.DEFINE_list("seq_lens", None, "Tokens per sequence (sweep).")
   _NUM_SEQS = flags.DEFINE_integer("num_seqs", 32, "Sequences per decode batch.")
+  _MIN_SEQ_LEN = flags.DEFINE_integer("min_seq_len", None,
+                                      "Ragged rows: lengths uniform in [min_seq_len, seq_len].")
   _MODES = flags.DEFINE_list("modes", ["decode", "prefill"], "decode, prefill and/or mixed.")
   _PREFILL_Q_LEN = flags.DEFINE_integer("prefill_q_len", 128,
                                         "Queries per prefill sequence (a chunk after a prefix).")

@@ -9,7 +9,8 @@ exp(s - m), and its exp-weighted sum of values. Summaries merge exactly:
 groups of pages read through the block table), its contiguous twin (the same loop over dense K/V,
 the fair baseline for benchmarks), the Pallas kernel's split merge, and `merge_states` for
 (output, log-sum-exp) pairs. `paged_attention` dispatches between the Pallas (Triton) kernel, on
-CUDA GPUs of compute capability >= 8.0, and the XLA path everywhere else.
+CUDA GPUs of compute capability >= 8.0, and the XLA paths everywhere else (`decode_attention_xla`
+for one query per row, split by (row, key block) work items; `paged_attention_xla` otherwise).
 
 `dense_attention` (the definition every path is tested against) and the merge rule live beside
 the Pallas kernel in `pallas_kernels.paged_attention` (which may not import this package), and are
@@ -41,7 +42,8 @@ __all__ = ["Summary", "block_summary", "merge_summaries", "finalize", "merge_sta
            "dense_attention", "paged_attention_reference", "paged_attention", "paged_attention_xla",
            "kernel_unavailable_reason", "IMPLS", "causal_ragged_attention", "prefill_attention",
            "step_attention", "DEFAULT_TILE_TOKENS", "DEFAULT_TILES_PER_CHUNK",
-           "contiguous_attention", "validate_attention_inputs", "DEFAULT_BLOCK_TOKENS"]
+           "contiguous_attention", "validate_attention_inputs", "DEFAULT_BLOCK_TOKENS",
+           "decode_attention_xla", "DECODE_BLOCK_TOKENS", "DECODE_ITEMS_PER_CHUNK"]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -182,6 +184,10 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
         q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens,
         block_sizes=block_sizes or kernel_triton.BlockSizes(), interpret=interpret,
         precision=precision, **kw)
+  if max_q_len == 1:   # decode rows: split by key block, not padded to the longest row
+    kw.pop("max_q_len")
+    return decode_attention_xla(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens,
+                                pages_per_block=pages_per_block, **kw)
   return paged_attention_xla(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens,
                              pages_per_block=pages_per_block, **kw)
 
@@ -240,6 +246,101 @@ def paged_attention_xla(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, 
       fetch, max_blocks, block_tokens, k_pages.shape[2], q, seq_lens, cu_q_lens,
       max_q_len=max_q_len, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
       return_lse=return_lse, kv_lens=kv_lens)
+
+
+# Keys per work item of `decode_attention_xla`, and work items per loop iteration, chosen on the
+# large serve benchmark's decode shapes (32 rows of 48-288 keys, 16 q / 4 kv heads, head_dim 64,
+# page 16): see experiments/results/README.md, "Against vLLM's CPU build" for the measurement.
+DECODE_BLOCK_TOKENS = 32
+DECODE_ITEMS_PER_CHUNK = 64
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap",
+                                             "pages_per_block", "items_per_chunk", "return_lse"))
+def decode_attention_xla(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
+                         scale: float | None = None, sliding_window: int | None = None,
+                         soft_cap: float | None = None, pages_per_block: int | None = None,
+                         items_per_chunk: int = DECODE_ITEMS_PER_CHUNK, return_lse: bool = False):
+  """Paged attention of one query per row (decode) on the XLA path, split by key block.
+
+  `paged_attention_xla` runs every row for as many blocks as the longest row has; here each
+  (row, key block) pair that holds a visible key is one work item, items_per_chunk items run per
+  loop iteration, and each row's item summaries merge exactly into it (the seeds' section 11
+  rule, as a scatter: flash-decoding's split-K). Work follows the sum of the rows' lengths, not
+  rows x the longest; a sliding window skips the blocks before it.
+
+  Args:
+    q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens: as in `paged_attention_xla`, with
+      at most one query per row (its query at position seq_len - 1).
+    pages_per_block: pages per work item; default DECODE_BLOCK_TOKENS // page_size.
+    items_per_chunk: work items per loop iteration (static).
+    return_lse: also return f32[num_tokens, num_q_heads] log-sum-exp.
+
+  Returns:
+    dtype[num_tokens, num_q_heads, head_dim] (and lse if asked); a row with no query or no
+    visible key gets zeros (lse -inf).
+  """
+  check_static_args(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, max_q_len=1,
+                    sliding_window=sliding_window, soft_cap=soft_cap)
+  if q.shape[0] == 0:
+    return empty_result(q, return_lse)
+  num_tokens, num_q_heads, head_dim = q.shape
+  num_seqs, max_pages_per_seq = block_tables.shape
+  page_size, num_kv_heads = k_pages.shape[1], k_pages.shape[2]
+  group = num_q_heads // num_kv_heads
+  scale = head_dim ** -0.5 if scale is None else scale
+  if pages_per_block is None:
+    pages_per_block = max(1, DECODE_BLOCK_TOKENS // page_size)
+  pages_per_block = min(pages_per_block, max_pages_per_seq)
+  max_blocks = -(-max_pages_per_seq // pages_per_block)
+  block_tokens = pages_per_block * page_size
+  tables = jnp.pad(block_tables, ((0, 0), (0, max_blocks * pages_per_block - max_pages_per_seq)),
+                   constant_values=NULL_PAGE).reshape(num_seqs, max_blocks, pages_per_block)
+
+  q_padded, _, q_valid = ragged_to_padded(q, cu_q_lens, seq_lens, 1)
+  qg = (q_padded[:, 0].astype(jnp.float32) * scale).reshape(num_seqs, num_kv_heads, group, head_dim)
+  # Each row's visible keys are [first, seq_len): blocks first_block .. end_block - 1.
+  lens = jnp.where(q_valid[:, 0], jnp.minimum(seq_lens, max_blocks * block_tokens), 0)
+  first = jnp.zeros_like(lens) if sliding_window is None else jnp.maximum(lens - sliding_window, 0)
+  first_block = first // block_tokens
+  num_items = jnp.where(lens > 0, (lens + block_tokens - 1) // block_tokens - first_block, 0)
+  ends = jnp.cumsum(num_items)
+  total = ends[-1]
+
+  def body(c, acc: Summary) -> Summary:
+    item = c * items_per_chunk + jnp.arange(items_per_chunk, dtype=jnp.int32)
+    row = jnp.clip(jnp.searchsorted(ends, item, side="right"), 0, num_seqs - 1).astype(jnp.int32)
+    block = jnp.clip(first_block[row] + item - (ends[row] - num_items[row]), 0, max_blocks - 1)
+    pages = tables[row, block]                                    # [C, pages_per_block]
+    shape = (items_per_chunk, block_tokens, num_kv_heads, head_dim)
+    k, v = k_pages[pages].reshape(shape), v_pages[pages].reshape(shape)
+    kv_pos = block[:, None] * block_tokens + jnp.arange(block_tokens, dtype=jnp.int32)
+    valid = ((item < total)[:, None] & (kv_pos < lens[row][:, None])
+             & (kv_pos >= first[row][:, None]))                     # [C, T]
+    v = jnp.where(valid[..., None, None], v, 0).astype(jnp.float32)  # NaN-safe, as in _blocked
+    s = jnp.einsum("ckgd,ctkd->ckgt", qg[row], k.astype(jnp.float32), precision=_HIGHEST)
+    if soft_cap is not None:
+      s = soft_cap * jnp.tanh(s / soft_cap)
+    s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
+    part = block_summary(s, v, "ckgt,ctkd->ckgd")
+    # Merge the chunk's items into their rows (items past `total` are empty: m = -inf).
+    m = acc.m.at[row].max(part.m)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    w_acc = jnp.exp(acc.m - m_safe)
+    w_part = jnp.exp(part.m - m_safe[row])
+    return Summary(m, (w_acc * acc.z).at[row].add(w_part * part.z),
+                   (w_acc[..., None] * acc.u).at[row].add(w_part[..., None] * part.u))
+
+  lead = (num_seqs, num_kv_heads, group)
+  init = Summary(jnp.full(lead, -jnp.inf, jnp.float32), jnp.zeros(lead, jnp.float32),
+                 jnp.zeros(lead + (head_dim,), jnp.float32))
+  acc = jax.lax.fori_loop(0, (total + items_per_chunk - 1) // items_per_chunk, body, init)
+  o, lse = finalize(acc)
+  o = padded_to_ragged(o.reshape(num_seqs, 1, num_q_heads, head_dim), cu_q_lens, num_tokens)
+  if not return_lse:
+    return o.astype(q.dtype)
+  lse = padded_to_ragged(lse.reshape(num_seqs, 1, num_q_heads), cu_q_lens, num_tokens)
+  return o.astype(q.dtype), jnp.where(jnp.arange(num_tokens)[:, None] < cu_q_lens[-1], lse, -jnp.inf)
 
 
 # Tokens per tile of `causal_ragged_attention`, and query tiles per chunk of its loop (a chunk's
@@ -427,8 +528,8 @@ def step_attention(q, k, v, k_pages, v_pages, block_tables, seq_lens, cu_q_lens,
   d = num_decode
   parts = []
   if d:
-    parts.append(paged_attention_xla(q[:d], k_pages, v_pages, block_tables[:d], seq_lens[:d],
-                                     jnp.arange(d + 1, dtype=jnp.int32), max_q_len=1, **kw))
+    parts.append(decode_attention_xla(q[:d], k_pages, v_pages, block_tables[:d], seq_lens[:d],
+                                      jnp.arange(d + 1, dtype=jnp.int32), **kw))
   if q.shape[0] > d:
     parts.append(prefill_attention(q[d:], k[d:], v[d:], k_pages, v_pages, block_tables[d:],
                                    seq_lens[d:], cu_q_lens[d:] - d, max_q_len=max_q_len, **kw))

@@ -6,8 +6,8 @@ from absl.testing import absltest
 import numpy as np
 
 from experiments import (allocator_waste, attention_bench, attention_overhead, block_manager_bench,
-                         copy_eval, demo, fragmentation, latency_bench, ondevice_bench,
-                         page_size_sweep, pool_map, preemption,
+                         copy_eval, cpu_parts_bench, demo, fragmentation, latency_bench,
+                         mutation_score, ondevice_bench, page_size_sweep, pool_map, preemption,
                          profile_step, rate_sweep, serve_bench, sharing, step_bench, train_copy_model)
 
 
@@ -40,6 +40,64 @@ class ExperimentsTest(absltest.TestCase):
       attention_bench.run(attention_bench.BenchConfig(table_order="random"), copy_bytes_per_s=1e9)
     with self.assertRaisesRegex(ValueError, "not available"):
       attention_bench.run(attention_bench.BenchConfig(impls=("nope",)), copy_bytes_per_s=1e9)
+
+  def test_attention_bench_ragged_decode_rows(self):
+    # --min_seq_len: ragged rows, where decode_xla's work items differ from paged_xla's loop.
+    cfg = attention_bench.BenchConfig(num_seqs=5, seq_len=40, min_seq_len=3, page_size=4,
+                                      num_q_heads=4, num_kv_heads=2, head_dim=8, rounds=1, iters=1,
+                                      impls=("paged_xla", "decode_xla"), baseline="paged_xla")
+    lens = attention_bench.seq_lens(cfg)
+    self.assertGreater(len(set(lens.tolist())), 1)
+    self.assertTrue(((lens >= 3) & (lens <= 40)).all())
+    records = attention_bench.run(cfg, copy_bytes_per_s=1e9)
+    self.assertEqual([r["impl"] for r in records], ["paged_xla", "decode_xla"])
+    self.assertTrue(all(r["max_abs_err"] <= 1e-5 for r in records))
+    self.assertEqual(records[0]["kv_bytes"], 2 * int(lens.sum()) * 2 * 8 * 4)
+    with self.assertRaisesRegex(ValueError, "min_seq_len=41"):
+      attention_bench.seq_lens(attention_bench.BenchConfig(seq_len=40, min_seq_len=41))
+
+  def test_cpu_parts_bench(self):
+    from unittest import mock
+    from paged_jax import model
+    cfg = cpu_parts_bench.PartsConfig(tokens=10, batch=3, hidden=16, intermediate=24, layers=2,
+                                      vocab=50, rounds=1)
+    with mock.patch.object(model, "MLP_CHUNK_TOKENS", 4):
+      r = cpu_parts_bench.run(cfg)
+    self.assertEqual(r["chunks"], 3)
+    self.assertEqual(set(r["seconds"]), {"mlp whole", "mlp chunks", "weights", "jnp.argmax",
+                                         "sampling.argmax"})
+    self.assertTrue(all(v > 0 for v in r["seconds"].values()))
+    self.assertIn("sampling.argmax", cpu_parts_bench.format_result(r))
+
+  def test_mutation_score_config_and_arithmetic(self):
+    import configparser
+    import tempfile
+    from unittest import mock
+    path = os.path.join(tempfile.mkdtemp(), "setup.cfg")
+    with open(path, "w") as f:
+      f.write("[tool:pytest]\ntestpaths = tests\n[mutmut]\nsource_paths = old.py\n")
+    mutation_score._setup_cfg(path, "paged_jax/sampling.py", ["tests/a_test.py", "tests/b_test.py"])
+    cfg = configparser.ConfigParser()
+    cfg.read(path)
+    self.assertEqual(cfg.get("mutmut", "source_paths").split(), ["paged_jax/sampling.py"])
+    self.assertEqual(cfg.get("mutmut", "pytest_add_cli_args_test_selection").split(),
+                     ["tests/a_test.py", "tests/b_test.py"])
+    self.assertIn("paged_jax", cfg.get("mutmut", "also_copy").split())
+    self.assertEqual(cfg.get("tool:pytest", "testpaths"), "tests")   # the rest is kept
+    root = os.path.dirname(os.path.dirname(os.path.abspath(mutation_score.__file__)))
+    for source, tests in mutation_score.MODULES.values():   # every mapped path exists
+      self.assertTrue(os.path.isfile(os.path.join(root, source)), source)
+      self.assertTrue(all(os.path.isfile(os.path.join(root, t)) for t in tests), tests)
+    stats = dict(killed=80, survived=6, total=100, no_tests=4, skipped=0, timeout=10)
+    r = mutation_score.score(stats, ["m.x__mutmut_1", "m.x__mutmut_2"])
+    self.assertEqual((r["killed"], r["survived"], r["equivalent"]), (90, 6, 0))
+    self.assertAlmostEqual(r["score"], 90 / 96)
+    with mock.patch.dict(mutation_score.EQUIVALENT, {"m.x__mutmut_2": "same value"}):
+      r = mutation_score.score(stats, ["m.x__mutmut_1", "m.x__mutmut_2"])
+    self.assertEqual((r["survived"], r["equivalent"]), (5, 1))
+    self.assertAlmostEqual(r["score"], 90 / 95)
+    with self.assertRaisesRegex(ValueError, "module 'nope'"):
+      mutation_score.run_module("nope", mutation_score.MutationConfig(), ".")
 
   def test_attention_bench_kernels_interpreted(self):
     # The GPU comparison's code path, through Pallas' interpreter at a tiny shape.

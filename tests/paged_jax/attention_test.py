@@ -242,6 +242,37 @@ class IndependentReferenceTest(parameterized.TestCase):
       np.testing.assert_allclose(np.asarray(out, np.float64), oracle, **TOL[jnp.float32])
 
 
+class DecodeWorkItemsTest(parameterized.TestCase):
+  """`decode_attention_xla` (one query per row, split into (row, key block) work items merged by
+  scatter) against the float64 oracle: windows around a block's edges, blocks of 1-3 pages,
+  chunks smaller than one row's items (a row's items spread over several loop iterations)."""
+
+  @parameterized.product(window=(None, 1, 3, 4, 5, 100), blocks=((1, 1), (2, 3), (3, 64)))
+  def test_matches_the_oracle(self, window, blocks):
+    pages_per_block, items_per_chunk = blocks
+    page_size = 4
+    # Rows: long, a padding row (0 keys), one key, a row with keys but no query, lengths around
+    # the page and block edges; pad_tokens adds query tokens past the last row.
+    seq_lens = [3 * 12 + 2, 0, 1, 6, page_size, page_size + 1, 2 * 12 - 1, 12]
+    q_lens = [1, 0, 1, 0, 1, 1, 1, 1]
+    inp = testing.random_paged_inputs(13, seq_lens, q_lens=q_lens, page_size=page_size,
+                                      num_kv_heads=2, q_per_kv=2, pad_tokens=2)
+    cap = 2.5 if window in (3, 100) else None
+    kw = dict(sliding_window=window, soft_cap=cap, scale=0.3)
+    oracle = testing.naive_paged_attention(*inp, **kw)
+    out, lse = attention.decode_attention_xla(*inp, pages_per_block=pages_per_block,
+                                              items_per_chunk=items_per_chunk, return_lse=True,
+                                              **kw)
+    np.testing.assert_allclose(np.asarray(out, np.float64), oracle, **TOL[jnp.float32])
+    _, lse_blocked = attention.paged_attention_xla(*inp, max_q_len=1, return_lse=True, **kw)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_blocked), **TOL[jnp.float32])
+
+  def test_the_dispatcher_sends_decode_rows_here(self):
+    inp = testing.random_paged_inputs(3, [9, 30, 2], page_size=4, pad_tokens=1)
+    chex.assert_trees_all_equal(attention.paged_attention(*inp, max_q_len=1, impl="xla"),
+                                attention.decode_attention_xla(*inp))
+
+
 class SeedExamplesTest(absltest.TestCase):
   """The worked numbers of the seeds (section 10 and 11 of the first document), exactly."""
 

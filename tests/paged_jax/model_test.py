@@ -3,6 +3,7 @@
 from absl.testing import absltest, parameterized
 import chex
 import jax.numpy as jnp
+import numpy as np
 
 from paged_jax import config, generate, step, testing
 
@@ -127,6 +128,33 @@ class ModelPiecesTest(absltest.TestCase):
     chex.assert_trees_all_close(last, full, atol=1e-5, rtol=1e-5)
     with self.assertRaisesRegex(ValueError, "decode_step needs max_q_len=1"):
       step.decode_step(PARAMS, mk_pool(), batch(tokens, jnp.arange(5), slots, 5, 8), cfg=CFG)
+
+  def test_token_chunks(self):
+    from paged_jax.model import token_chunks
+    self.assertEqual(token_chunks(4560, 1024), [(0, 912), (912, 1824), (1824, 2736), (2736, 3648),
+                                                (3648, 4560)])
+    self.assertEqual(token_chunks(1024, 1024), [(0, 1024)])
+    self.assertEqual(token_chunks(1025, 1024), [(0, 512), (512, 1025)])
+    self.assertEqual(token_chunks(0, 1024), [(0, 0)])
+    for n in (1, 7, 50, 1000):
+      for rows in (1, 3, 16):
+        chunks = token_chunks(n, rows)
+        self.assertEqual([s for s, _ in chunks[1:]], [e for _, e in chunks[:-1]])   # contiguous
+        self.assertEqual((chunks[0][0], chunks[-1][1]), (0, n))
+        self.assertLessEqual(max(e - s for s, e in chunks), rows)
+        self.assertLessEqual(max(e - s for s, e in chunks) - min(e - s for s, e in chunks), 1)
+
+  def test_mlp_in_chunks_equals_in_one(self):
+    from unittest import mock
+    from paged_jax import model
+    h = jnp.asarray(np.random.default_rng(0).standard_normal((11, CFG.hidden_size)), jnp.float32)
+    mlp = model.MLP(CFG)
+    params = {"params": PARAMS["layers_0_mlp"]}
+    whole = mlp.apply(params, h)
+    with mock.patch.object(model, "MLP_CHUNK_TOKENS", 3):   # 4 chunks: 3, 3, 3, 2
+      chunked = mlp.apply(params, h)
+    chex.assert_trees_all_close(chunked, whole, atol=1e-6, rtol=1e-6)
+    self.assertGreater(float(jnp.abs(whole).max()), 1e-3)
 
   def test_config_validation(self):
     with self.assertRaisesRegex(ValueError, "num_q_heads=3 must be divisible by num_kv_heads=2"):

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax.sampling import SamplingArrays, SamplingParams, sample
+from paged_jax.sampling import SamplingArrays, SamplingParams, argmax, sample
 
 DRAWS = 6000
 LOGITS = np.log(np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04]))
@@ -96,6 +96,30 @@ class SamplerTest(parameterized.TestCase):
     np.testing.assert_allclose(out.top_logprobs[0], LOGITS[:3], atol=1e-6)
     np.testing.assert_array_equal(out.top_ids[0], [0, 1, 2])
     np.testing.assert_allclose(out.logprob[0], LOGITS[int(out.tokens[0])], atol=1e-6)
+
+  def test_logprobs_of_unnormalized_logits(self):
+    # Shifted and scaled: log_softmax must subtract the log-sum-exp (LOGITS alone sum to one).
+    logits = 2.0 * LOGITS + 3.0
+    want = logits - np.log(np.exp(logits).sum())
+    rows = [(SamplingParams(temperature=0.0), 0, 0, 0), (SamplingParams(temperature=1.0), 1, 0, 0)]
+    out = sample(jnp.asarray(np.stack([logits, logits]), jnp.float32),
+                 SamplingArrays.from_rows(rows, 2), num_logprobs=2)
+    self.assertEqual(int(out.tokens[0]), 0)
+    np.testing.assert_allclose(out.logprob, want[np.asarray(out.tokens)], atol=1e-5)
+    np.testing.assert_allclose(out.top_logprobs, np.stack([want[:2]] * 2), atol=1e-5)
+
+  def test_argmax_is_jnp_argmax(self):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((6, 37)).astype(np.float32)
+    x[1, [4, 20]] = 9.0                # a tie: the first index
+    x[2, :] = -np.inf                   # all -inf: index 0
+    x[3, [7, 30]] = np.nan              # NaN wins, the first one
+    x[4, [2, 36]] = [np.inf, np.inf]    # +inf tie
+    x[5] = np.round(x[5])               # many ties
+    got = np.asarray(jax.jit(argmax)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+    np.testing.assert_array_equal(got[:5], [np.argmax(x[0]), 4, 0, 7, 2])
+    self.assertEqual(got.dtype, np.int32)
 
   @parameterized.named_parameters(
       ("max_tokens", dict(max_tokens=0), "max_tokens=0 must be >= 1"),

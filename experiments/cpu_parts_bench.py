@@ -1,0 +1,112 @@
+"""The CPU measurements behind issue 16's speed-ups, each against its alternative in one run.
+
+  python -m experiments.cpu_parts_bench              # the large serve benchmark's shapes
+  python -m experiments.cpu_parts_bench --tokens=912 --hidden=256 --intermediate=688
+
+Prints, best of `--rounds` interleaved rounds:
+  mlp        one SwiGLU MLP over a prefill's tokens, in one piece and in the model's token chunks
+             (`model.MLP_CHUNK_TOKENS`), with GFLOP/s;
+  weights    8 layers of MLP on a decode batch ([batch, hidden] rows): the rate weights are read
+             at, the floor of a decode step's matmuls;
+  argmax     `jnp.argmax` against `sampling.argmax` on f32[batch, vocab] logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+
+from paged_jax import model, sampling
+
+
+@dataclasses.dataclass(frozen=True)
+class PartsConfig:
+  tokens: int = 4560          # the serve benchmark's prefill step (32 prompts, 16-256 tokens)
+  batch: int = 32             # decode rows
+  hidden: int = 1024
+  intermediate: int = 2752
+  layers: int = 8
+  vocab: int = 32_000
+  rounds: int = 5
+
+
+def _best(fns: dict, args: dict, rounds: int) -> dict:
+  """name -> best seconds of fns[name](*args[name]), rounds interleaved (after one warm-up call)."""
+  jitted = {k: jax.jit(f) for k, f in fns.items()}
+  for k, f in jitted.items():
+    jax.block_until_ready(f(*args[k]))
+  best = {k: float("inf") for k in fns}
+  for _ in range(rounds):
+    for k, f in jitted.items():
+      t = time.perf_counter()
+      jax.block_until_ready(f(*args[k]))
+      best[k] = min(best[k], time.perf_counter() - t)
+  return best
+
+
+def _mlp(x, wg, wu, wd):
+  g = x @ wg
+  return (model.activation("silu", g) * (x @ wu)) @ wd
+
+
+def run(cfg: PartsConfig) -> dict:
+  keys = jax.random.split(jax.random.key(0), 3 * cfg.layers + 2)
+  h, i = cfg.hidden, cfg.intermediate
+  w = [(jax.random.normal(keys[3 * l], (h, i)) * 0.02, jax.random.normal(keys[3 * l + 1], (h, i)) * 0.02,
+        jax.random.normal(keys[3 * l + 2], (i, h)) * 0.02) for l in range(cfg.layers)]
+  x = jax.random.normal(keys[-2], (cfg.tokens, h))
+  chunks = model.token_chunks(cfg.tokens, model.MLP_CHUNK_TOKENS)
+
+  def chunked(x, *wts):
+    return jnp.concatenate([_mlp(x[s:e], *wts) for s, e in chunks], axis=0)
+
+  def decode_layers(x, wts):
+    for wg, wu, wd in wts:
+      x = x + _mlp(x, wg, wu, wd)
+    return x
+
+  logits = jax.random.normal(keys[-1], (cfg.batch, cfg.vocab))
+  fns = {"mlp whole": _mlp, "mlp chunks": chunked, "weights": decode_layers,
+         "jnp.argmax": lambda l: jnp.argmax(l, axis=-1), "sampling.argmax": sampling.argmax}
+  args = {"mlp whole": (x,) + w[0], "mlp chunks": (x,) + w[0],
+          "weights": (x[:cfg.batch], w), "jnp.argmax": (logits,), "sampling.argmax": (logits,)}
+  best = _best(fns, args, cfg.rounds)
+  mlp_flops = 6 * cfg.tokens * h * i
+  return dict(config=dataclasses.asdict(cfg), chunks=len(chunks), seconds=best,
+              mlp_gflops={k: mlp_flops / best[k] / 1e9 for k in ("mlp whole", "mlp chunks")},
+              weight_gb_per_s=cfg.layers * 3 * h * i * 4 / best["weights"] / 1e9)
+
+
+def format_result(r: dict) -> str:
+  s, c = r["seconds"], r["config"]
+  return "\n".join([
+      f"mlp     [{c['tokens']}, {c['hidden']}] x {c['intermediate']}: whole "
+      f"{s['mlp whole'] * 1e3:.1f} ms ({r['mlp_gflops']['mlp whole']:.0f} GFLOP/s), "
+      f"{r['chunks']} chunks {s['mlp chunks'] * 1e3:.1f} ms ({r['mlp_gflops']['mlp chunks']:.0f} GFLOP/s)",
+      f"weights {c['layers']} MLP layers on [{c['batch']}, {c['hidden']}]: {s['weights'] * 1e3:.2f} ms "
+      f"({r['weight_gb_per_s']:.1f} GB/s of weights)",
+      f"argmax  f32[{c['batch']}, {c['vocab']}]: jnp.argmax {s['jnp.argmax'] * 1e3:.3f} ms, "
+      f"sampling.argmax {s['sampling.argmax'] * 1e3:.3f} ms"])
+
+
+def main(argv):
+  del argv
+  f = flags.FLAGS
+  print(format_result(run(PartsConfig(tokens=f.tokens, batch=f.batch, hidden=f.hidden,
+                                      intermediate=f.intermediate, layers=f.layers,
+                                      vocab=f.vocab, rounds=f.rounds))))
+
+
+if __name__ == "__main__":
+  from absl import app, flags
+  flags.DEFINE_integer("tokens", PartsConfig.tokens, "Prefill tokens of the MLP comparison.")
+  flags.DEFINE_integer("batch", PartsConfig.batch, "Decode rows.")
+  flags.DEFINE_integer("hidden", PartsConfig.hidden, "Hidden size.")
+  flags.DEFINE_integer("intermediate", PartsConfig.intermediate, "MLP intermediate size.")
+  flags.DEFINE_integer("layers", PartsConfig.layers, "Layers of the decode weights pass.")
+  flags.DEFINE_integer("vocab", PartsConfig.vocab, "Vocabulary of the argmax comparison.")
+  flags.DEFINE_integer("rounds", PartsConfig.rounds, "Interleaved rounds (best is reported).")
+  app.run(main)
