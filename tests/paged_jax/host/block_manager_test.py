@@ -218,6 +218,85 @@ class PrefixCacheTest(absltest.TestCase):
     bm.check_invariants()
 
 
+class StatsTest(absltest.TestCase):
+
+  def test_stats_of_a_known_pool(self):
+    bm = BlockManager(num_pages=11, page_size=4)   # 10 usable pages
+    self.assertEqual(bm.stats()["internal_fragmentation"], 0.0)   # nothing reserved yet
+    _computed(bm, "a", range(10))         # pages hold 4, 4, 2 tokens
+    bm.fork("a", "b")                     # b shares all three: stored once
+    _computed(bm, "c", range(10))         # hits a's two full pages, a new page for 2 tokens
+    self.assertIsNotNone(bm.reserve("c", 4))   # 2 more slots in its page + one empty page
+    self.assertEqual(bm.stats(), {
+        "pages_free": 5, "pages_in_use": 5, "pages_cached_idle": 0, "kv_usage": 5 / 10,
+        "prefix_queries_tokens": 20, "prefix_hits_tokens": 8, "prefix_hit_rate": 8 / 20,
+        "stored_tokens": 4 + 4 + 2 + 2 + 0, "reserved_token_slots": 20,
+        "internal_fragmentation": (20 - 12) / 20})
+    for seq_id in ("a", "b", "c"):
+      bm.free(seq_id)
+    stats = bm.stats()
+    self.assertEqual((stats["pages_in_use"], stats["pages_cached_idle"], stats["pages_free"]),
+                     (0, 2, 8))
+    self.assertEqual((stats["reserved_token_slots"], stats["internal_fragmentation"]), (0, 0.0))
+
+  def test_reset_names_the_pages_in_use_and_reports_released_pages(self):
+    bm = BlockManager(num_pages=10, page_size=4, track_released=True)
+    _computed(bm, "a", range(9))          # 3 pages, 2 of them full (cached)
+    with self.assertRaisesRegex(RuntimeError, "while 3 pages are in use"):
+      bm.reset_prefix_cache()
+    bm.free("a")
+    idle = set(bm.cached_idle_pages())
+    self.assertLen(idle, 2)
+    bm.drain_released()
+    bm.reset_prefix_cache()
+    self.assertEqual(set(bm.drain_released()), idle)   # forgotten cache pages are released
+    self.assertEqual(bm.num_free_pages, 9)
+
+  def test_slots_page_owners_and_released_pages(self):
+    bm = BlockManager(num_pages=12, page_size=4, track_released=True)
+    _computed(bm, "a", range(6))
+    bm.fork("a", "b")
+    table = bm.block_table("a")
+    np.testing.assert_array_equal(bm.slots("a", 2, 7), [table[0] * 4 + 2, table[0] * 4 + 3,
+                                                        table[1] * 4, table[1] * 4 + 1,
+                                                        table[1] * 4 + 2])
+    np.testing.assert_array_equal(bm.slots("a", 0, 1), [table[0] * 4])
+    self.assertEqual(bm.slots("a", 8, 8).shape, (0,))
+    self.assertEqual(bm.slots("a", 3, 4).dtype, np.int32)
+    for start, stop in ((-1, 2), (3, 2), (0, 9)):
+      with self.assertRaisesRegex(ValueError, f"positions {start}..{stop} are outside sequence "
+                                              "'a''s capacity of 8 tokens"):
+        bm.slots("a", start, stop)
+    self.assertEqual(bm.page_owners(), {table[0]: ["a", "b"], table[1]: ["a", "b"]})
+    self.assertEqual(bm.drain_released(), [])
+    bm.free("a")
+    self.assertEqual(bm.drain_released(), [])        # b still holds both pages
+    bm.free("b")
+    self.assertEqual(bm.drain_released(), [table[1]])   # page 0 stays cached (idle)
+    self.assertEqual(bm.drain_released(), [])
+    self.assertEqual(bm.page_owners(), {})
+
+  def test_a_fork_extends_the_parents_hash_chain(self):
+    bm = BlockManager(num_pages=12, page_size=4)
+    _computed(bm, "a", range(6))          # page 0 full (cached), page 1 holds 2 tokens
+    bm.fork("a", "b")
+    # Both grow after the fork: each keeps its own hash chain and partial-page tail (no list
+    # shared between them).
+    bm.append_tokens("b", [10, 11, 12, 13, 14, 15])   # b: 12 tokens, pages 1-2 its own
+    bm.append_tokens("a", [20, 21, 22, 23, 24, 25])
+    bm.mark_computed("b")
+    bm.mark_computed("a")
+    bm.free("a")
+    bm.free("b")
+    # b's page 1 (tokens 4, 5, 10, 11) hashes on page 0's hash and the 2-token tail it forked
+    # with; a request with b's (or a's) tokens finds both full pages (its last page is left to
+    # compute).
+    for seq_id, extra in (("c", [10, 11, 12, 13, 14, 15]), ("d", [20, 21, 22, 23, 24, 25])):
+      adm = bm.admit(seq_id, list(range(6)) + extra)
+      self.assertEqual(adm.num_cached_tokens, 8, seq_id)
+    bm.check_invariants()
+
+
 class PreemptionTest(absltest.TestCase):
 
   def test_swap_out_and_in_restores_pages_bit_for_bit(self):
@@ -283,6 +362,7 @@ class PreemptionTest(absltest.TestCase):
     bm.mark_computed("a")
     bm.preempt_recompute("a")
     self.assertEqual(bm.status("a"), SeqStatus.PREEMPTED)
+    self.assertEqual((bm.num_computed("a"), bm.block_table("a")), (0, ()))
     bm.check_invariants()
     with self.assertRaisesRegex(ValueError, "needs its 12 tokens; got 10"):
       bm.admit("a", list(range(10)), resume=True)
