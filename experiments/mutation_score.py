@@ -41,6 +41,11 @@ MODULES = {
                                            "tests/paged_jax/robustness_test.py"]),
 }
 
+# Imported by the fork server before it forks workers: libraries only (importing them runs no JAX
+# computation; the project's modules may, at import).
+PRELOAD = ("numpy", "jax", "jax.numpy", "flax.linen", "chex", "hypothesis", "absl.testing.absltest",
+           "pytest")
+
 # Mutants judged equivalent (no test can tell them from the original), by mutmut name, with why.
 # Filled in from runs of this script; see WORKSPACE.md, "Mutation testing".
 EQUIVALENT: dict[str, str] = {
@@ -71,6 +76,15 @@ def _setup_cfg(path: str, source: str, tests: list[str]) -> None:
   cfg.set("mutmut", "source_paths", "\n" + source)
   cfg.set("mutmut", "also_copy", "\npaged_jax\npallas_kernels\nexperiments\ntests\nsetup.cfg")
   cfg.set("mutmut", "pytest_add_cli_args_test_selection", "\n" + "\n".join(tests))
+  # JAX's CPU runtime starts thread pools when first used; a worker forked from a process that
+  # ran JAX can deadlock, and mutmut reads that as a timeout (counted as killed). So workers fork
+  # from a server that has only imported the libraries (PRELOAD), never run a test.
+  cfg.set("mutmut", "process_isolation", "forkserver")
+  cfg.set("mutmut", "forkserver_warmup", "import")
+  preload = os.path.join(os.path.dirname(path), "mutmut_preload.txt")
+  with open(preload, "w") as f:
+    f.write("\n".join(PRELOAD) + "\n")
+  cfg.set("mutmut", "preload_modules_file", preload)
   with open(path, "w") as f:
     cfg.write(f)
 

@@ -248,9 +248,11 @@ def paged_attention_xla(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, 
       return_lse=return_lse, kv_lens=kv_lens)
 
 
-# Keys per work item of `decode_attention_xla`, and work items per loop iteration, chosen on the
-# large serve benchmark's decode shapes (32 rows of 48-288 keys, 16 q / 4 kv heads, head_dim 64,
-# page 16): see experiments/results/README.md, "Against vLLM's CPU build" for the measurement.
+# Keys per work item of `decode_attention_xla`, and work items per loop iteration, chosen in
+# scratch sweeps on the large serve benchmark's decode shapes (32 rows of 48-288 keys, 16 q / 4
+# kv heads, head_dim 64, page 16): 32 / 64 beat 32 / 32, 64 / 32, 32 / 128 and 16 / 256 there.
+# The committed comparison with `paged_attention_xla` (attention_bench --min_seq_len) is on
+# experiments/results/README.md, "Against vLLM's CPU build".
 DECODE_BLOCK_TOKENS = 32
 DECODE_ITEMS_PER_CHUNK = 64
 
