@@ -8,9 +8,9 @@ For each module it makes a scratch clone of the working tree, writes a `[mutmut]
 mutates that one file and runs only the tests that exercise it (MODULES below), runs
 `mutmut run`, and reads mutmut's own counts (`mutmut export-cicd-stats`). It prints, and appends
 to --out, per module: killed, survived, timed out, no tests, total, and the score
-killed / (total - equivalent) (a mutant no test reaches is not killed), with the surviving mutants' names and diffs (so a
-survivor can be judged: a missing test, or an equivalent mutant to list in EQUIVALENT with its
-reason). Timeouts count as killed (mutmut's convention: the mutant made the tests hang).
+killed / (total - equivalent) (a mutant no test reaches is not killed), with the surviving
+mutants' names and diffs (so a survivor can be judged: a missing test, or an equivalent mutant to
+list in EQUIVALENT with its reason). Timeouts count as killed (mutmut's convention: the mutant made the tests hang).
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ import time
 
 # module name -> (file to mutate, tests that exercise it).
 MODULES = {
-    "block_manager": ("paged_jax/host/block_manager.py", ["tests/paged_jax/host/block_manager_test.py"]),
+    "block_manager": ("paged_jax/host/block_manager.py",
+                      ["tests/paged_jax/host/block_manager_test.py"]),
     "scheduler": ("paged_jax/host/scheduler.py", ["tests/paged_jax/host/scheduler_test.py"]),
     "sampling": ("paged_jax/sampling.py", ["tests/paged_jax/sampling_test.py"]),
     "merge": ("pallas_kernels/paged_attention/merge.py", ["tests/paged_jax/attention_test.py"]),
