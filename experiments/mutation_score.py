@@ -49,14 +49,72 @@ PRELOAD = ("numpy", "jax", "jax.numpy", "flax.linen", "chex", "hypothesis", "abs
 
 # Mutants judged equivalent (no test can tell them from the original), by mutmut name, with why.
 # Filled in from runs of this script; see WORKSPACE.md, "Mutation testing".
+_BM = "paged_jax.host.block_manager.xǁBlockManagerǁ"
+_SCHED = "paged_jax.host.scheduler.xǁSchedulerǁ"
+_MERGE = "pallas_kernels.paged_attention.merge.x_"
 EQUIVALENT: dict[str, str] = {
-    "paged_jax.host.block_manager.xǁBlockManagerǁstats__mutmut_21":
+    # block_manager.py
+    f"{_BM}stats__mutmut_21":
         "stored.get(None, 0) for stored.get(p, 0): a page shared by several sequences holds the "
         "same number of tokens in each (a write into a shared page copies it first), so the max "
         "over its owners equals the last owner's value",
-    "paged_jax.host.block_manager.xǁBlockManagerǁstats__mutmut_53":
+    f"{_BM}stats__mutmut_53":
         "max(2, queries) for max(1, queries) in prefix_hit_rate: they differ only at queries <= 1, "
         "where hits are 0 (the last prompt token is never a hit), so the rate is 0 either way",
+    **{f"{_BM}admit__mutmut_{n}": "a field of the probe _Seq (block_table None, num_computed "
+       "None or 1) that admit overwrites before anything reads it" for n in (32, 33, 42)},
+    f"{_BM}admit__mutmut_49":
+        "_lookup with prefix caching off: _add_tokens computes no hashes then, so the lookup "
+        "finds nothing, as the [] it replaces",
+    **{f"{_BM}swap_in__mutmut_{n}": "num_swapped_pages 1 / swap_group None on a running "
+       "sequence: both are read only while it is SWAPPED, and swap_out sets them first"
+       for n in (28, 29)},
+    **{f"{_BM}check_invariants__mutmut_{n}": "the dtype left to NumPy: counted becomes float64 "
+       "(assert_array_equal compares values), block tables of Python ints become int64 anyway"
+       for n in (5, 7, 16, 18)},
+    f"{_BM}_take__mutmut_6":
+        "popitem(last=None) for popitem(last=False): None is false, so the LRU end is popped",
+    f"{_BM}_unref__mutmut_7":
+        "the value stored in the idle OrderedDict ('' for None): only its keys and order are read",
+    # scheduler.py
+    f"{_SCHED}schedule__mutmut_43":
+        "break for continue after a request preempted itself: it was the newest, the last in the "
+        "running list, so the loop is over either way",
+    f"{_SCHED}_grow__mutmut_27":
+        "new = None for new = [] once the tokens are appended: only its truth is read after",
+    **{f"{_SCHED}_swap_in__mutmut_{n}": "rows and budget never bind at a swap-in (5: '-' for '+' "
+       "and 16: 'and' for 'or' in rows_ok / the refusal; 6, 14, 18: '<' / '>=' at equality): "
+       "swapped requests block admission, so running seats only fall after a swap-out, and "
+       "pages free up only when a request or sample finishes (its seats go too); at a swap-in "
+       "with room, seats + the request's seats < max_num_seqs <= max_num_batched_tokens, and "
+       "with nothing running its pages are fewer than the pool (the request that preempted it "
+       "held one)" for n in (5, 6, 14, 16, 18)},
+    f"{_SCHED}_prefill_running__mutmut_7":
+        "budget < 0 for budget <= 0: _add_chunk with a budget of 0 adds no row and returns 0",
+    **{f"{_SCHED}_add_chunk__mutmut_{n}": "the stop <= start branch (14: '<', 15: returns 1) is "
+       "unreachable: the callers pass a budget > 0, a prefilling sequence has uncomputed tokens "
+       "before its end, and a recomputed beam is left two tokens (admit(min_uncached=2))"
+       for n in (14, 15)},
+    f"{_SCHED}_add_chunk__mutmut_24":
+        "is_decode None for False: every reader tests its truth",
+    **{f"{_SCHED}_admit__mutmut_{n}": "return for break: nothing follows the admission loop"
+       for n in (13, 16, 26, 29, 71)},
+    f"{_SCHED}_admit__mutmut_79":
+        "= for += on num_cached_tokens at a request's first admission: it has one sequence then, "
+        "and the count starts at 0",
+    f"{_SCHED}_admit__mutmut_90":
+        "budget >= 0 for budget > 0 before a chunk: _add_chunk with a budget of 0 adds no row",
+    # merge.py
+    f"{_MERGE}block_summary__mutmut_2":
+        "the default einsum spelled in capitals ('...T,...TD->...D'): the same contraction",
+    **{f"{_MERGE}{name}": "the stand-in shift for an empty summary (m = -inf) is 1.0, not 0.0: "
+       "exp(-inf - anything) is 0 either way" for name in (
+           "block_summary__mutmut_18", "merge_summaries__mutmut_14", "merge_along__mutmut_15")},
+    **{f"{_MERGE}block_summary__mutmut_{n}": "einsum precision default for HIGHEST: the same "
+       "on the CPU, where every test runs (f32 dots are full f32); on a GPU the default is "
+       "TF32 and the kernel's GPU tests are the ones that would see it" for n in (37, 41)},
+    **{f"{_MERGE}finalize__mutmut_{n}": "the stand-in z of an empty summary is 2.0, not 1.0: "
+       "its u is 0 and its lse is replaced by -inf, so neither shows" for n in (12, 28)},
 }
 
 
@@ -119,6 +177,12 @@ def score(stats: dict, survivors: list[str]) -> dict:
               score=killed / judged if judged else None)
 
 
+def _with_status(results: str, status: str) -> list[str]:
+  """Mutant names on lines `name: status` of `mutmut results`."""
+  return [line.split(":")[0].strip() for line in results.splitlines()
+          if line.strip().endswith(": " + status)]
+
+
 def run_module(name: str, cfg: MutationConfig, repo: str) -> dict:
   if name not in MODULES:
     raise ValueError(f"module {name!r} is not one of {sorted(MODULES)}")
@@ -135,11 +199,11 @@ def run_module(name: str, cfg: MutationConfig, repo: str) -> dict:
     with open(os.path.join(scratch, "mutants", "mutmut-cicd-stats.json")) as f:
       stats = json.load(f)
     results = _mutmut(["results"], scratch).stdout
-    survivors = [line.split(":")[0].strip() for line in results.splitlines()
-                 if line.strip().endswith("survived")]
-    diffs = {s: _mutmut(["show", s], scratch).stdout for s in survivors}
+    survivors = _with_status(results, "survived")
+    untested = _with_status(results, "no tests")
+    diffs = {s: _mutmut(["show", s], scratch).stdout for s in survivors + untested}
     return dict(module=name, file=source, tests=tests, seconds=seconds, stats=stats,
-                **score(stats, survivors), survivors=survivors, diffs=diffs)
+                **score(stats, survivors), survivors=survivors, untested=untested, diffs=diffs)
   finally:
     if cfg.keep:
       print(f"kept {scratch}")
@@ -152,7 +216,9 @@ def format_result(r: dict) -> str:
   lines = [f"{r['module']:14s} {r['file']}: killed {r['killed']} (timeouts {r['timeout']}), "
            f"survived {r['survived']}, equivalent {r['equivalent']}, no tests {r['no_tests']}, "
            f"total {r['total']}; score {s} ({r['seconds'] / 60:.1f} min)"]
-  lines += [f"  survivor {name}" for name in r["survivors"]]
+  lines += [f"  {'equivalent' if name in EQUIVALENT else 'survivor'} {name}"
+            for name in r["survivors"]]
+  lines += [f"  no tests {name}" for name in r.get("untested", [])]
   return "\n".join(lines)
 
 

@@ -192,11 +192,13 @@ class BlockManager:
   # ----------------------------------------------------------------------------- lifecycle
 
   def admit(self, seq_id, token_ids: Sequence[int], *, adapter_id: Hashable | None = None,
-            cache_salt: str | None = None, resume: bool = False) -> Admission | None:
+            cache_salt: str | None = None, resume: bool = False,
+            min_uncached: int = 1) -> Admission | None:
     """Allocates ceil(len(token_ids) / page_size) pages, reusing the longest cached prefix.
 
-    At least the last prompt token is always left to compute, so its logits exist. All or
-    nothing: returns None, changing nothing, if the pages do not fit.
+    At least the last `min_uncached` tokens (default 1: the last prompt token, so its logits
+    exist) are always left to compute. All or nothing: returns None, changing nothing, if the
+    pages do not fit.
 
     Args:
       seq_id: a new id, or (with resume=True) a sequence preempted for recompute.
@@ -215,12 +217,14 @@ class BlockManager:
       adapter_id, cache_salt = seq.adapter_id, seq.cache_salt
     elif seq_id in self._seqs:
       raise ValueError(f"sequence {seq_id!r} is already admitted")
+    if isinstance(min_uncached, bool) or not isinstance(min_uncached, int) or min_uncached < 1:
+      raise ValueError(f"min_uncached={min_uncached!r} must be an int >= 1")
     token_ids = check_token_ids(token_ids, f"sequence {seq_id!r}")
     if not token_ids:
       raise ValueError(f"sequence {seq_id!r}: a prompt needs at least one token")
     probe = _Seq(0, [], 0, adapter_id, cache_salt)
     self._add_tokens(probe, token_ids)
-    hits = self._lookup(probe) if self.enable_prefix_caching else []
+    hits = self._lookup(probe, min_uncached) if self.enable_prefix_caching else []
     need = pages_needed(probe.num_tokens, self.page_size) - len(hits)
     idle_hits = sum(1 for p in hits if self._refs[p] == 0)
     if need > self.num_free_pages - idle_hits:
@@ -497,9 +501,10 @@ class BlockManager:
       seq.hashes.append(page_hash(seq.hashes[-1] if j else None, seq.tail[:s], extra))
       del seq.tail[:s]
 
-  def _lookup(self, seq: _Seq) -> list[int]:
-    """Pages of the longest cached chain, leaving at least the last token to compute."""
-    max_hit_pages = (seq.num_tokens - 1) // self.page_size
+  def _lookup(self, seq: _Seq, min_uncached: int) -> list[int]:
+    """Pages of the longest cached chain, leaving at least the last `min_uncached` tokens to
+    compute."""
+    max_hit_pages = max(0, seq.num_tokens - min_uncached) // self.page_size
     hits = []
     for h in seq.hashes[:max_hit_pages]:
       page = self._hash_to_page.get(h)

@@ -189,7 +189,17 @@ class Scheduler:
     return bool(self.waiting or self.running or self.swapped)
 
   def num_running_seqs(self) -> int:
-    return sum(len(g.seqs) for g in self.running)
+    """Batch rows the running requests hold, counting the samples or beams a prompt not yet
+    sampled will fork into (see `_seats`)."""
+    return sum(self._seats(g) for g in self.running)
+
+  @staticmethod
+  def _seats(g: SequenceGroup) -> int:
+    """Rows g holds or will hold: until its prompt is first sampled, the max_seqs it forks into
+    (n samples or beam_width beams from one sequence); after that, its live sequences."""
+    if all(s.num_output_tokens == 0 for s in g.seqs):
+      return max(len(g.seqs), g.max_seqs)
+    return len(g.seqs)
 
   def groups(self):
     yield from self.waiting
@@ -473,7 +483,11 @@ class Scheduler:
       admitted = []
       for s in g.seqs:
         resume = s.seq_id in self.bm
-        adm = self.bm.admit(s.seq_id, s.tokens, resume=resume, cache_salt=g.cache_salt)
+        # A recomputed beam stops its prefill one token short (see _add_chunk), so the prefix
+        # cache must leave it two tokens to compute, not one.
+        uncached = 2 if g.params.use_beam_search and s.num_output_tokens else 1
+        adm = self.bm.admit(s.seq_id, s.tokens, resume=resume, cache_salt=g.cache_salt,
+                            min_uncached=uncached)
         if adm is None:
           break
         admitted.append((s, resume, adm))

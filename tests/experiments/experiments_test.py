@@ -98,6 +98,11 @@ class ExperimentsTest(absltest.TestCase):
     self.assertAlmostEqual(r["score"], 90 / 99)
     with self.assertRaisesRegex(ValueError, "module 'nope'"):
       mutation_score.run_module("nope", mutation_score.MutationConfig(), ".")
+    results = ("    m.x__mutmut_1: killed\n    m.x__mutmut_2: survived\n"
+               "    m.y__mutmut_1: no tests\n    m.y__mutmut_2: survived\n")
+    self.assertEqual(mutation_score._with_status(results, "survived"),
+                     ["m.x__mutmut_2", "m.y__mutmut_2"])
+    self.assertEqual(mutation_score._with_status(results, "no tests"), ["m.y__mutmut_1"])
 
   def test_attention_bench_kernels_interpreted(self):
     # The GPU comparison's code path, through Pallas' interpreter at a tiny shape.

@@ -318,6 +318,42 @@ class SeedExamplesTest(absltest.TestCase):
     chex.assert_trees_all_close(o, jnp.array([1.8, 2.3]), atol=1e-6)
 
 
+class MergeTest(absltest.TestCase):
+  """`merge.block_summary` and `merge.merge_along` on their own, against float64 softmax."""
+
+  def test_each_query_shifts_by_its_own_max(self):
+    # Scores of very different scales per query: a shared shift would underflow one of them.
+    s = jnp.array([[100.0, 99.0, -jnp.inf], [-100.0, -101.0, -102.0], [-jnp.inf] * 3])
+    v = jnp.arange(9.0).reshape(3, 3, 1) + 1.0
+    summary = attention.block_summary(s, v)
+    chex.assert_trees_all_close(summary.m, jnp.array([100.0, -100.0, -jnp.inf]))
+    o, lse = attention.finalize(summary)
+    s64 = np.asarray(s, np.float64)
+    for i in range(2):
+      p = np.exp(s64[i] - s64[i].max())
+      np.testing.assert_allclose(o[i, 0], (p / p.sum()) @ np.asarray(v[i, :, 0]), rtol=1e-6)
+      np.testing.assert_allclose(lse[i], s64[i].max() + np.log(p.sum()), rtol=1e-6)
+    self.assertEqual((float(o[2, 0]), float(lse[2])), (0.0, -np.inf))
+
+  def test_merge_along_equals_pairwise_merges(self):
+    from pallas_kernels.paged_attention.merge import merge_along, merge_summaries
+    rng = np.random.default_rng(0)
+    m = rng.normal(0, 30, (3, 4)).astype(np.float32)
+    m[1, 2] = m[0, 3] = -np.inf                 # empty summaries are the identity
+    m[:, 0] = -np.inf                           # a query every split missed
+    z = np.where(np.isfinite(m), rng.uniform(1, 3, m.shape), 0).astype(np.float32)
+    u = (z[..., None] * rng.normal(size=m.shape + (5,))).astype(np.float32)
+    stacked = Summary(jnp.asarray(m), jnp.asarray(z), jnp.asarray(u))
+    want = Summary(*(x[0] for x in stacked))
+    for i in (1, 2):
+      want = merge_summaries(want, Summary(*(x[i] for x in stacked)))
+    chex.assert_trees_all_close(merge_along(stacked), want, rtol=1e-6)      # axis 0 by default
+    moved = Summary(stacked.m.T, stacked.z.T, jnp.swapaxes(stacked.u, 0, 1))
+    chex.assert_trees_all_close(merge_along(moved, axis=1), want, rtol=1e-6)
+    self.assertEqual(float(want.m[0]), -np.inf)
+    self.assertEqual(float(want.z[0]), 0.0)
+
+
 class CompileOnceTest(absltest.TestCase):
 
   def test_traces_once_per_shape_bucket(self):

@@ -10,7 +10,7 @@ import numpy as np
 
 from paged_jax import KVPool, page_ops
 from paged_jax.host import baselines
-from paged_jax.host.block_manager import (BlockManager, SeqStatus, UnknownSequenceError,
+from paged_jax.host.block_manager import (BlockManager, Growth, SeqStatus, UnknownSequenceError,
                                           page_hash)
 
 
@@ -194,6 +194,23 @@ class PrefixCacheTest(absltest.TestCase):
     again = bm.admit("b", range(8))        # fully cached prompt: its last page is recomputed
     self.assertEqual(again.num_cached_tokens, 4)
     bm.check_invariants()
+
+  def test_min_uncached_leaves_more_tokens_to_compute(self):
+    bm = BlockManager(num_pages=20, page_size=4)
+    _computed(bm, "a", range(9))
+    self.assertEqual(bm.admit("b", range(9)).num_cached_tokens, 8)
+    self.assertEqual(bm.admit("c", range(9), min_uncached=2).num_cached_tokens, 4)
+    self.assertEqual(bm.admit("d", range(9), min_uncached=9).num_cached_tokens, 0)
+    self.assertEqual(bm.admit("e", range(9), min_uncached=20).num_cached_tokens, 0)
+    for bad in (0, True, 1.5):
+      with self.assertRaisesRegex(ValueError, rf"^min_uncached={bad!r} must be an int >= 1$"):
+        bm.admit("f", range(9), min_uncached=bad)
+    self.assertNotIn("f", bm)
+    bm.check_invariants()
+    bm = BlockManager(num_pages=8, page_size=1)   # a one-token prompt is never a hit
+    _computed(bm, "a", [5, 6])
+    self.assertEqual(bm.admit("b", [5]).num_cached_tokens, 0)
+    self.assertEqual(bm.admit("c", [5, 6]).num_cached_tokens, 1)
 
   def test_uncomputed_pages_are_not_hit(self):
     bm = BlockManager(num_pages=10, page_size=4)
@@ -432,6 +449,328 @@ class BadInputTest(absltest.TestCase):
   def test_mark_computed_out_of_range(self):
     with self.assertRaisesRegex(ValueError, r"num_computed=9 must lie in \[6, 6\]"):
       self.bm.mark_computed("a", 9)
+
+
+class ExactFitTest(absltest.TestCase):
+  """Allocation at the edge of the pool: an all-or-nothing call that fits exactly succeeds, one
+  page more fails and changes nothing."""
+
+  def test_admission_that_hits_idle_pages_fits_exactly(self):
+    # 3 usable pages. a's two full pages go cached-idle when it finishes; b's prompt hits them
+    # and needs one new page: 3 free-or-idle pages, 2 of them the hits, 1 left for the new page.
+    bm = BlockManager(num_pages=4, page_size=2)
+    _computed(bm, "a", [1, 2, 3, 4, 5])
+    bm.free("a")
+    self.assertEqual((bm.num_free_pages, len(bm.cached_idle_pages())), (3, 2))
+    adm = bm.admit("b", [1, 2, 3, 4, 9])
+    self.assertIsNotNone(adm)
+    self.assertEqual(adm.num_cached_tokens, 4)
+    bm.check_invariants()
+
+  def test_admission_that_hits_pages_in_use_fits_exactly(self):
+    # a holds 3 of 4 usable pages; b shares a's two full pages and needs exactly the last one.
+    bm = BlockManager(num_pages=5, page_size=2)
+    _computed(bm, "a", [1, 2, 3, 4, 5])
+    self.assertEqual(bm.num_free_pages, 1)
+    adm = bm.admit("b", [1, 2, 3, 4, 9])
+    self.assertEqual(adm.block_table[:2], bm.block_table("a")[:2])
+    self.assertEqual(bm.num_free_pages, 0)
+    self.assertIsNone(bm.admit("c", [1, 2, 3, 4, 7]))   # no page left for c's third page
+    bm.check_invariants()
+
+  def test_admission_one_page_short_changes_nothing(self):
+    bm = BlockManager(num_pages=4, page_size=2)
+    self.assertIsNone(bm.admit("a", range(7)))   # 4 pages > 3
+    self.assertEqual(bm.num_free_pages, 3)
+    self.assertIsNotNone(bm.admit("a", range(6)))
+
+  def test_hit_tokens_accumulate_over_admissions(self):
+    bm = BlockManager(num_pages=12, page_size=2)
+    _computed(bm, "a", [1, 2, 3, 4, 5])
+    bm.admit("b", [1, 2, 3])        # 1 page hit
+    bm.admit("c", [1, 2, 3, 4, 6])  # 2 pages hit
+    stats = bm.stats()
+    self.assertEqual(stats["prefix_hits_tokens"], 6)
+    self.assertEqual(stats["prefix_queries_tokens"], 13)
+
+  def test_reserve_with_copy_on_write_and_a_new_page(self):
+    # a (3 tokens of a 4-token page) and its fork share page A; one page is free. Writing 2
+    # tokens needs a private copy of A plus a new page: 2 pages > 1, so nothing happens.
+    bm = BlockManager(num_pages=3, page_size=4)
+    _computed(bm, "a", [1, 2, 3])
+    bm.fork("a", "b")
+    self.assertEqual(bm.num_free_pages, 1)
+    self.assertIsNone(bm.reserve("b", 2))
+    self.assertEqual(bm.block_table("b"), bm.block_table("a"))
+    self.assertEqual(bm.num_free_pages, 1)
+    growth = bm.reserve("b", 1)          # the copy alone fits
+    self.assertEqual(growth.copies, ((bm.block_table("a")[0], bm.block_table("b")[0]),))
+    bm.check_invariants()
+
+  def test_swap_in_that_fits_exactly(self):
+    bm = BlockManager(num_pages=4, page_size=2)
+    _computed(bm, "a", [1, 2, 3, 4, 5])   # 3 pages: the whole pool
+    bm.swap_out("a")
+    self.assertIsNotNone(bm.swap_in("a"))
+    self.assertEqual(bm.num_free_pages, 0)
+    bm.swap_out("a")
+    bm.admit("x", [7])                     # takes one of the three
+    self.assertIsNone(bm.swap_in("a"))
+    self.assertEqual(bm.status("a"), SeqStatus.SWAPPED)
+    bm.check_invariants()
+
+
+class ReserveTest(absltest.TestCase):
+  """Which shared pages `reserve` replaces, and which of them it copies."""
+
+  def _forked_with_spare_page(self, prompt_len):
+    # Page size 4; a holds `prompt_len` tokens and capacity for 8; b is a fork sharing both pages.
+    bm = BlockManager(num_pages=8, page_size=4)
+    _computed(bm, "a", list(range(prompt_len)))
+    bm.reserve("a", 8 - prompt_len)
+    bm.fork("a", "b")
+    self.assertLen(bm.block_table("a"), 2)
+    return bm
+
+  def test_zero_tokens_is_a_no_op(self):
+    bm = self._forked_with_spare_page(3)
+    self.assertEqual(bm.reserve("b", 0), Growth((), ()))
+    self.assertEqual(bm.block_table("b"), bm.block_table("a"))
+
+  def test_negative_count_is_refused(self):
+    bm = self._forked_with_spare_page(3)
+    with self.assertRaisesRegex(ValueError, r"num_tokens=-1 must be >= 0"):
+      bm.reserve("b", -1)
+
+  def test_shared_page_past_the_new_tokens_stays_shared(self):
+    bm = self._forked_with_spare_page(3)
+    a0, a1 = bm.block_table("a")
+    growth = bm.reserve("b", 1)          # writes position 3: page 0 only
+    b0, b1 = bm.block_table("b")
+    self.assertEqual(growth, Growth(((a0, b0),), ()))
+    self.assertEqual(b1, a1)
+    self.assertEqual(bm.refcount(a1), 2)
+    bm.check_invariants()
+
+  def test_both_written_pages_are_replaced_only_the_filled_one_copied(self):
+    bm = self._forked_with_spare_page(3)
+    a0, a1 = bm.block_table("a")
+    growth = bm.reserve("b", 2)          # positions 3 and 4: pages 0 and 1
+    b0, b1 = bm.block_table("b")
+    self.assertNotIn(b1, (a0, a1))
+    self.assertEqual(growth, Growth(((a0, b0),), ()))   # page 1 holds no token yet: no copy
+    bm.check_invariants()
+
+  def test_an_empty_shared_page_at_the_page_boundary_is_not_copied(self):
+    bm = self._forked_with_spare_page(4)  # page 0 full, page 1 empty
+    a0, a1 = bm.block_table("a")
+    growth = bm.reserve("b", 1)           # position 4: page 1
+    self.assertEqual(growth, Growth((), ()))
+    self.assertEqual(bm.block_table("b")[0], a0)
+    self.assertNotEqual(bm.block_table("b")[1], a1)
+    bm.check_invariants()
+
+
+class HashChainTest(absltest.TestCase):
+
+  def test_a_page_hits_only_after_the_same_prefix(self):
+    bm = BlockManager(num_pages=12, page_size=2)
+    _computed(bm, "a", [1, 2, 3, 4, 5])
+    # Same second page, different first page: the chain differs, so nothing is shared.
+    self.assertEqual(bm.admit("b", [9, 9, 3, 4, 5]).num_cached_tokens, 0)
+    bm.check_invariants()
+
+  def test_manager_hashes_follow_page_hash(self):
+    # The salt keys the first page; every page's hash chains to its parent's.
+    bm = BlockManager(num_pages=12, page_size=2)
+    _computed(bm, "a", [1, 2, 3, 4, 5], adapter_id="lora", cache_salt="s")
+    h0 = page_hash(None, [1, 2], ("lora", "s"))
+    h1 = page_hash(h0, [3, 4], ("lora",))
+    self.assertEqual(bm._seqs["a"].hashes, [h0, h1])
+
+  def test_hash_depends_on_values_not_integer_width(self):
+    ids = [1, 2 ** 20]
+    self.assertEqual(page_hash(None, np.asarray(ids, np.int32)), page_hash(None, ids))
+    self.assertNotEqual(page_hash(None, [1, 2]), page_hash(None, [2, 1]))
+
+  def test_mark_computed_offers_each_page_once(self):
+    # a and b compute the same page independently; b's copy stays unregistered (block tables are
+    # append-only), and stays so after a's copy is evicted: mark_computed offers only new pages.
+    bm = BlockManager(num_pages=6, page_size=2)
+    bm.admit("a", [1, 2, 3])
+    bm.admit("b", [1, 2, 4])
+    bm.mark_computed("a")
+    bm.mark_computed("b")
+    pa, pb = bm.block_table("a")[0], bm.block_table("b")[0]
+    self.assertTrue(bm.is_cached(pa))
+    self.assertFalse(bm.is_cached(pb))
+    bm.free("a")
+    bm.admit("x", range(100, 106))        # 3 pages: the free ones, then evicts pa
+    self.assertFalse(bm.is_cached(pa))
+    bm.append_tokens("b", [5])
+    bm.mark_computed("b")
+    self.assertFalse(bm.is_cached(pb))
+    bm.check_invariants()
+
+  def test_mark_computed_at_the_current_count_is_allowed(self):
+    bm = BlockManager(num_pages=6, page_size=2)
+    bm.admit("a", [1, 2, 3])
+    bm.mark_computed("a", 2)
+    bm.mark_computed("a", 2)
+    self.assertEqual(bm.num_computed("a"), 2)
+
+  def test_pages_restored_by_swap_in_re_enter_the_cache(self):
+    bm = BlockManager(num_pages=5, page_size=2)
+    _computed(bm, "a", [1, 2, 3, 4, 5])
+    bm.swap_out("a")                      # its two full pages go cached-idle
+    bm.admit("x", range(100, 108))        # takes every page: the cached ones are evicted
+    bm.free("x")
+    bm.swap_in("a")
+    self.assertFalse(any(bm.is_cached(p) for p in bm.block_table("a")))
+    bm.mark_computed("a")                 # the restored copies are offered to the cache again
+    self.assertEqual([bm.is_cached(p) for p in bm.block_table("a")], [True, True, False])
+    self.assertEqual(bm.admit("b", [1, 2, 3, 4, 6]).num_cached_tokens, 4)
+    bm.check_invariants()
+
+
+class ConstructorAndMessagesTest(absltest.TestCase):
+  """Boundary arguments are accepted; every refusal names the bad value."""
+
+  def test_smallest_pool_and_page(self):
+    bm = BlockManager(num_pages=2, page_size=1)
+    self.assertEqual(bm.admit("a", [7]).block_table, (1,))
+    with self.assertRaisesRegex(ValueError, r"num_pages=1 must be >= 2 \(page 0 is NULL_PAGE\)"):
+      BlockManager(num_pages=1, page_size=1)
+    with self.assertRaisesRegex(ValueError, r"page_size=0 must be >= 1"):
+      BlockManager(num_pages=2, page_size=0)
+
+  def test_released_pages_are_tracked_only_on_request(self):
+    bm = BlockManager(num_pages=4, page_size=2)
+    _computed(bm, "a", [1, 2, 3])
+    bm.free("a")
+    self.assertEqual(bm.drain_released(), [])
+
+  def test_evicted_pages_are_reported_released(self):
+    bm = BlockManager(num_pages=3, page_size=2, track_released=True)
+    _computed(bm, "a", [1, 2, 3])          # page 1 full (cached), page 2 partial
+    bm.free("a")                           # 2 -> free list; 1 -> cached-idle
+    self.assertEqual(bm.drain_released(), [2])
+    bm.admit("b", range(10, 14))           # takes 2, then evicts 1
+    self.assertEqual(bm.drain_released(), [1])
+
+  def test_token_id_errors_name_the_sequence_and_the_id(self):
+    bm = BlockManager(num_pages=6, page_size=2)
+    with self.assertRaisesRegex(ValueError, r"^sequence 'a': token id 1.5 is not an int$"):
+      bm.admit("a", [1, 1.5])
+    with self.assertRaisesRegex(ValueError, r"^sequence 'a': token id True is not an int$"):
+      bm.admit("a", [True])
+    with self.assertRaisesRegex(ValueError,
+                                r"^sequence 'a': token id 9223372036854775808 is outside"):
+      bm.admit("a", [2 ** 63])
+    self.assertEqual(bm.admit("a", [2 ** 63 - 1]).block_table, (1,))
+    with self.assertRaisesRegex(ValueError, r"^sequence 'a': token id -1 is outside \[0, 2\*\*63\)"):
+      bm.append_tokens("a", [-1])
+    self.assertEqual(bm.num_tokens("a"), 1)
+
+  def test_resume_without_tokens(self):
+    bm = BlockManager(num_pages=6, page_size=2)
+    _computed(bm, "a", [1, 2, 3])
+    bm.preempt_recompute("a")
+    with self.assertRaisesRegex(ValueError, r"resuming sequence 'a' needs its 3 tokens; got None"):
+      bm.admit("a", None, resume=True)
+    with self.assertRaisesRegex(ValueError, r"needs its 3 tokens; got 2"):
+      bm.admit("a", [1, 2], resume=True)
+    with self.assertRaisesRegex(ValueError, r"^sequence 'a' is preempted, not running$"):
+      bm.append_tokens("a", [4])
+
+  def test_group_ids(self):
+    bm = BlockManager(num_pages=8, page_size=2)
+    _computed(bm, ("req", 0), [1, 2, 3])   # a tuple is one sequence id, not a group
+    self.assertEqual(bm.swap_out(("req", 0)).pages, (1, 2))
+    self.assertEqual(bm.status(("req", 0)), SeqStatus.SWAPPED)
+    with self.assertRaises(UnknownSequenceError):
+      bm.swap_out(99)
+    _computed(bm, "b", [1])
+    with self.assertRaisesRegex(ValueError, r"sequence ids \['b', 'b'\] repeat"):
+      bm.swap_out(["b", "b"])
+    bm.check_invariants()
+
+
+class CheckInvariantsTest(absltest.TestCase):
+  """The checker catches each kind of corrupted state, with the message that names it."""
+
+  def setUp(self):
+    super().setUp()
+    # a: pages 1 (full, cached) and 2; b shares page 1; c finished: its full page 3 cached-idle.
+    self.bm = BlockManager(num_pages=8, page_size=2)
+    _computed(self.bm, "a", [1, 2, 3])
+    _computed(self.bm, "b", [1, 2, 4])
+    _computed(self.bm, "c", [7, 8, 9])
+    self.bm.free("c")
+    self.bm.check_invariants()
+    self.idle = self.bm.cached_idle_pages()[0]
+    self.free = self.bm._free[0]
+
+  def assertBroken(self, message):
+    with self.assertRaisesRegex(AssertionError, message):
+      self.bm.check_invariants()
+
+  def test_null_page_in_a_block_table(self):
+    self.bm._seqs["a"].block_table[1] = 0
+    self.bm._refs[2] -= 1
+    self.bm._free.append(2)
+    self.assertBroken("^NULL_PAGE is in a block table$")
+
+  def test_null_page_refcount(self):
+    self.bm._refs[0] = 1
+    self.assertBroken("^NULL_PAGE has a refcount$")
+
+  def test_refcount_disagrees_with_tables(self):
+    self.bm._refs[2] += 1
+    self.assertBroken("\nrefcount != block-table references\n")   # NumPy's report, our line
+
+  def test_page_twice_in_the_free_list(self):
+    self.bm._free.append(self.free)
+    self.assertBroken("^a page is in the free list twice$")
+
+  def test_null_page_allocatable(self):
+    self.bm._free.append(0)
+    self.assertBroken("^NULL_PAGE is allocatable$")
+    self.bm._free.pop()
+    self.bm._idle[0] = None
+    self.assertBroken("^NULL_PAGE is allocatable$")
+
+  def test_page_in_two_states(self):
+    for corrupt, undo in (
+        (lambda: self.bm._idle.__setitem__(self.free, None), lambda: self.bm._idle.pop(self.free)),
+        (lambda: self.bm._free.append(2), lambda: self.bm._free.pop()),
+        (lambda: self.bm._idle.__setitem__(2, None), lambda: self.bm._idle.pop(2))):
+      corrupt()
+      self.assertBroken("^a page is in two states$")
+      undo()
+      self.bm.check_invariants()
+
+  def test_page_lost(self):
+    self.bm._free.remove(self.free)
+    self.assertBroken("^a page is lost or leaked$")
+
+  def test_idle_page_without_hash(self):
+    self.bm._free.remove(self.free)
+    self.bm._idle[self.free] = None
+    self.assertBroken("^a cached-idle page has no hash$")
+
+  def test_free_page_with_hash(self):
+    self.bm._page_to_hash[self.free] = b"h"
+    self.bm._hash_to_page[b"h"] = self.free
+    self.assertBroken("^a free page still has a hash$")
+
+  def test_hash_maps_disagree(self):
+    h = self.bm._page_to_hash[self.idle]
+    self.bm._hash_to_page[h] = 1
+    self.assertBroken("^hash maps disagree$")
+    self.bm._hash_to_page[h] = self.idle
+    self.bm._hash_to_page[b"stale"] = self.idle
+    self.assertBroken("^hash maps disagree$")
 
 
 class BaselineAllocatorTest(absltest.TestCase):
