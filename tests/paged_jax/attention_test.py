@@ -10,6 +10,7 @@ import numpy as np
 
 from paged_jax import attention, testing
 from paged_jax.attention import Summary
+from pallas_kernels.paged_attention.merge import merge_along, merge_summaries
 
 TOL = {  # tokamax's table; the bounds.
     jnp.float32: dict(atol=1e-5, rtol=1e-5),
@@ -336,7 +337,6 @@ class MergeTest(absltest.TestCase):
     self.assertEqual((float(o[2, 0]), float(lse[2])), (0.0, -np.inf))
 
   def test_merge_along_equals_pairwise_merges(self):
-    from pallas_kernels.paged_attention.merge import merge_along, merge_summaries
     rng = np.random.default_rng(0)
     m = rng.normal(0, 30, (3, 4)).astype(np.float32)
     m[1, 2] = m[0, 3] = -np.inf                 # empty summaries are the identity
