@@ -1,5 +1,7 @@
 """KVPool, write_kv, the KV-bytes formula."""
 
+import warnings
+
 from absl.testing import absltest
 import chex
 import jax.numpy as jnp
@@ -45,6 +47,21 @@ class KVPoolTest(absltest.TestCase):
     expected[1, 1, 0] = k[1]
     expected[1, 1, 1] = k[2]
     chex.assert_trees_all_equal(pool.stacked(), (jnp.asarray(expected), -jnp.asarray(expected)))
+
+  def test_write_kv_casts_to_the_pool_dtype(self):
+    # f32 K/V into a bf16 pool: cast explicitly (JAX warns, and will refuse, on a scatter that
+    # narrows implicitly), rounded as bf16 rounds.
+    pool = KVPool.create(num_layers=1, num_pages=2, page_size=2, num_kv_heads=1, head_dim=1,
+                         dtype=jnp.bfloat16)
+    k = jnp.full((1, 1, 1), 1.0 + 2.0 ** -9, jnp.float32)   # not representable in bf16
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
+      pool = write_kv(pool, 0, k, -k, jnp.array([2], jnp.int32))
+    kp, vp = pool.stacked()
+    rounded = float(k.astype(jnp.bfloat16)[0, 0, 0])
+    self.assertEqual((kp.dtype, vp.dtype), (jnp.bfloat16, jnp.bfloat16))
+    self.assertEqual((float(kp[0, 1, 0, 0, 0]), float(vp[0, 1, 0, 0, 0])), (rounded, -rounded))
+    self.assertNotEqual(rounded, float(k[0, 0, 0]))
 
   def test_write_kv_rejects_bad_layer_and_shapes(self):
     pool = KVPool.create(num_layers=1, num_pages=4, page_size=4, num_kv_heads=1, head_dim=2)
