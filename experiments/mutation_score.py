@@ -3,6 +3,7 @@
   .venv/bin/pip install -e '.[test,mutation]'
   .venv/bin/python -m experiments.mutation_score --modules=block_manager,scheduler
   .venv/bin/python -m experiments.mutation_score --modules=all        # hours on 2 cores
+  .venv/bin/python -m experiments.mutation_score --modules=reference --resume=/tmp/mutation_xyz
 
 For each module it makes a scratch clone of the working tree, writes a `[mutmut]` section that
 mutates that one file and runs only the tests that exercise it (MODULES below), runs
@@ -38,8 +39,9 @@ MODULES = {
     "kernel": ("pallas_kernels/paged_attention/kernel_triton.py",
                ["tests/pallas_kernels/paged_attention_test.py"]),
     "kv_write": ("paged_jax/kv_write.py", ["tests/paged_jax/state_test.py"]),
-    "page_ops": ("paged_jax/page_ops.py", ["tests/paged_jax/state_test.py",
-                                           "tests/paged_jax/robustness_test.py"]),
+    # state_test alone (PageOpsTest tests every function directly; the engine tests reach
+    # page_ops too, but at minutes a run).
+    "page_ops": ("paged_jax/page_ops.py", ["tests/paged_jax/state_test.py"]),
 }
 
 # Imported by the fork server before it forks workers: libraries only (importing them runs no JAX
@@ -52,6 +54,8 @@ PRELOAD = ("numpy", "jax", "jax.numpy", "flax.linen", "chex", "hypothesis", "abs
 _BM = "paged_jax.host.block_manager.xǁBlockManagerǁ"
 _SCHED = "paged_jax.host.scheduler.xǁSchedulerǁ"
 _MERGE = "pallas_kernels.paged_attention.merge.x_"
+_SAMPLING = "paged_jax.sampling.x_"
+_PAGE_OPS = "paged_jax.page_ops.x_"
 EQUIVALENT: dict[str, str] = {
     # block_manager.py
     f"{_BM}stats__mutmut_21":
@@ -115,6 +119,38 @@ EQUIVALENT: dict[str, str] = {
        "TF32 and the kernel's GPU tests are the ones that would see it" for n in (37, 41)},
     **{f"{_MERGE}finalize__mutmut_{n}": "the stand-in z of an empty summary is 2.0, not 1.0: "
        "its u is 0 and its lse is replaced by -inf, so neither shows" for n in (12, 28)},
+    # sampling.py
+    **{f"{_SAMPLING}{name}": "axis / shape index +1 for -1: truncate and sample take f32[S, V], "
+       "two axes, where axis 1 is the last" for name in (
+           "truncate__mutmut_2", "truncate__mutmut_9", "truncate__mutmut_42",
+           "truncate__mutmut_50", "truncate__mutmut_71", "sample__mutmut_35",
+           "sample__mutmut_55", "sample__mutmut_65")},
+    **{f"{_SAMPLING}{name}": "axis=-1 dropped: -1 is the default axis of jnp.sort, "
+       "jax.nn.softmax and jnp.take_along_axis" for name in (
+           "truncate__mutmut_8", "truncate__mutmut_41", "sample__mutmut_64")},
+    **{f"{_SAMPLING}{name}": "dtype None or left out: JAX's default integer (int32, 64-bit off, "
+       "the project's setting) / float (float32) is the dtype spelled out; top_ids is cast to "
+       "int32 on return anyway" for name in (
+           "argmax__mutmut_17", "argmax__mutmut_19", "sample__mutmut_76", "sample__mutmut_78",
+           "sample__mutmut_83", "sample__mutmut_85")},
+    f"{_SAMPLING}sample__mutmut_4":
+        "logits.astype(None) for astype(float32): JAX reads dtype None as its default float, "
+        "float32 (a bf16 input comes out float32 either way; TruncateAndOutputsTest)",
+    **{f"{_SAMPLING}sample__mutmut_{n}": "the temperature stand-in of a greedy row (17: t >= 0 "
+       "divides by 0; 19: 2.0 for 1.0): a greedy row's draw is discarded by where(t > 0, drawn, "
+       "greedy), and rows are independent (per-row sort, max, argmax)" for n in (17, 19)},
+    f"{_SAMPLING}sample__mutmut_67":
+        "[:, 1] for [:, 0] on a [S, 1] gather result: JAX clamps a static out-of-range index, "
+        "so it reads column 0",
+    # page_ops.py
+    **{f"{_PAGE_OPS}{name}": "the host index arrays' dtype left to NumPy (int64): jnp.asarray "
+       "makes them int32 (64-bit off), so the same program runs on the same indices" for name in (
+           "read_pages__mutmut_3", "read_pages__mutmut_5", "read_pages__mutmut_9",
+           "read_pages__mutmut_12", "write_pages__mutmut_3", "write_pages__mutmut_5",
+           "write_pages__mutmut_22", "write_pages__mutmut_25")},
+    f"{_PAGE_OPS}write_pages__mutmut_30":
+        "one padding layer more on K/V: _write stores layers 0..num_layers-1 only, and every "
+        "call pads the same way, so one program still serves all counts that pad alike",
 }
 
 
@@ -123,7 +159,13 @@ class MutationConfig:
   modules: tuple[str, ...] = ("block_manager",)
   max_children: int = 2
   keep: bool = False          # keep the scratch clone (to `mutmut show` / `mutmut browse` there)
+  resume: str = ""            # a kept clone of an interrupted run of one module: carry on there
   out: str = "experiments/results/mutation_score.jsonl"
+
+  def __post_init__(self):
+    if self.resume and len(self.modules) != 1:
+      raise ValueError(f"resume={self.resume!r} carries on one module's run; got modules="
+                       f"{self.modules}")
 
 
 def _setup_cfg(path: str, source: str, tests: list[str]) -> None:
@@ -187,9 +229,10 @@ def run_module(name: str, cfg: MutationConfig, repo: str) -> dict:
   if name not in MODULES:
     raise ValueError(f"module {name!r} is not one of {sorted(MODULES)}")
   source, tests = MODULES[name]
-  scratch = _clone(repo)
+  scratch = cfg.resume or _clone(repo)
   try:
-    _setup_cfg(os.path.join(scratch, "setup.cfg"), source, tests)
+    if not cfg.resume:
+      _setup_cfg(os.path.join(scratch, "setup.cfg"), source, tests)
     t = time.perf_counter()
     run = _mutmut(["run", "--max-children", str(cfg.max_children)], scratch)
     seconds = time.perf_counter() - t
@@ -205,7 +248,7 @@ def run_module(name: str, cfg: MutationConfig, repo: str) -> dict:
     return dict(module=name, file=source, tests=tests, seconds=seconds, stats=stats,
                 **score(stats, survivors), survivors=survivors, untested=untested, diffs=diffs)
   finally:
-    if cfg.keep:
+    if cfg.keep or cfg.resume:
       print(f"kept {scratch}")
     else:
       shutil.rmtree(scratch, ignore_errors=True)
@@ -227,7 +270,8 @@ def main(argv):
   from absl import flags
   f = flags.FLAGS
   modules = tuple(MODULES) if f.modules == ["all"] else tuple(f.modules)
-  cfg = MutationConfig(modules=modules, max_children=f.max_children, keep=f.keep, out=f.out)
+  cfg = MutationConfig(modules=modules, max_children=f.max_children, keep=f.keep, out=f.out,
+                       resume=f.resume)
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   for name in cfg.modules:
     r = run_module(name, cfg, repo)
@@ -243,5 +287,8 @@ if __name__ == "__main__":
   flags.DEFINE_list("modules", ["block_manager"], f"Modules to mutate, from {sorted(MODULES)}, or all.")
   flags.DEFINE_integer("max_children", 2, "Parallel mutmut workers.")
   flags.DEFINE_bool("keep", False, "Keep the scratch clone.")
+  flags.DEFINE_string("resume", "", "A clone kept (--keep) from an interrupted run of the one "
+                      "module named: mutmut carries on with the mutants not yet run (the row's "
+                      "seconds are this part's only).")
   flags.DEFINE_string("out", "experiments/results/mutation_score.jsonl", "JSONL to append to.")
   app.run(main)

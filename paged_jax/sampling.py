@@ -167,7 +167,10 @@ def truncate(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array
   order = jnp.where(rank < k[:, None], order, -jnp.inf)
   probs = jax.nn.softmax(order, axis=-1)
   before = jnp.cumsum(probs, axis=-1) - probs                         # mass of better tokens
-  keep = (before < top_p[:, None]) & (rank < k[:, None])              # the top token always stays
+  # top_p = 1 keeps every token explicitly: in f32 the mass before the last few tokens can round
+  # to 1 or above, and `before < 1` would drop them.
+  within_p = (before < top_p[:, None]) | (top_p[:, None] >= 1)
+  keep = within_p & (rank < k[:, None])                               # the top token always stays
   cutoff = jnp.min(jnp.where(keep, order, jnp.inf), axis=-1)
   return jnp.where(logits >= cutoff[:, None], logits, -jnp.inf)
 

@@ -1,5 +1,6 @@
 """Every experiment's importable run(config) on a tiny config: it runs, checks itself, reports."""
 
+import json
 import os
 
 from absl.testing import absltest
@@ -103,6 +104,37 @@ class ExperimentsTest(absltest.TestCase):
     self.assertEqual(mutation_score._with_status(results, "survived"),
                      ["m.x__mutmut_2", "m.y__mutmut_2"])
     self.assertEqual(mutation_score._with_status(results, "no tests"), ["m.y__mutmut_1"])
+
+  def test_mutation_score_resumes_in_a_kept_clone(self):
+    import subprocess
+    import tempfile
+    from unittest import mock
+    clone = tempfile.mkdtemp()
+    os.makedirs(os.path.join(clone, "mutants"))
+    with open(os.path.join(clone, "setup.cfg"), "w") as f:
+      f.write("[mutmut]\nsource_paths = paged_jax/sampling.py\n")
+    calls = []
+
+    def fake_mutmut(args, cwd):
+      calls.append((args[0], cwd))
+      if args[0] == "export-cicd-stats":
+        with open(os.path.join(cwd, "mutants", "mutmut-cicd-stats.json"), "w") as f:
+          json.dump(dict(killed=9, survived=1, total=10, no_tests=0, skipped=0, timeout=0), f)
+      out = "    m.x__mutmut_1: survived\n" if args[0] == "results" else ""
+      return subprocess.CompletedProcess(args, 0, out, "")
+
+    cfg = mutation_score.MutationConfig(modules=("sampling",), resume=clone)
+    with mock.patch.object(mutation_score, "_mutmut", fake_mutmut), \
+         mock.patch.object(mutation_score, "_clone", side_effect=AssertionError("cloned")):
+      r = mutation_score.run_module("sampling", cfg, ".")
+    self.assertEqual([c[0] for c in calls], ["run", "export-cicd-stats", "results", "show"])
+    self.assertTrue(all(cwd == clone for _, cwd in calls))
+    self.assertEqual((r["killed"], r["survivors"], r["score"]), (9, ["m.x__mutmut_1"], 0.9))
+    self.assertTrue(os.path.isdir(clone))   # kept
+    with open(os.path.join(clone, "setup.cfg")) as f:
+      self.assertEqual(f.read(), "[mutmut]\nsource_paths = paged_jax/sampling.py\n")
+    with self.assertRaisesRegex(ValueError, "carries on one module's run"):
+      mutation_score.MutationConfig(modules=("sampling", "merge"), resume=clone)
 
   def test_attention_bench_kernels_interpreted(self):
     # The GPU comparison's code path, through Pallas' interpreter at a tiny shape.

@@ -1,6 +1,8 @@
 """Exactness of every attention path against `dense_attention`, NaN-poisoned pools, seeds' examples."""
 
 import math
+import re
+import types
 
 from absl.testing import absltest, parameterized
 import chex
@@ -10,6 +12,7 @@ import numpy as np
 
 from paged_jax import attention, testing
 from paged_jax.attention import Summary
+from pallas_kernels.paged_attention import reference
 from pallas_kernels.paged_attention.merge import merge_along, merge_summaries
 
 TOL = {  # tokamax's table; the issue's bounds.
@@ -466,6 +469,96 @@ class BadInputTest(parameterized.TestCase):
     o = attention.step_attention(inp.q, k, k, *inp[1:], num_decode=0, max_q_len=1, impl="xla")
     self.assertEqual(o.shape, (0, 4, 16))
     self.assertEqual(attention.paged_attention_reference(*inp).shape, (0, 4, 16))
+
+
+class ReferenceChecksTest(parameterized.TestCase):
+  """reference.check_static_args, the checks every path runs: the whole message, and the
+  boundary values that are accepted."""
+
+  def setUp(self):
+    super().setUp()
+    self.inp = testing.random_paged_inputs(0, [5, 9], q_lens=[2, 1], page_size=4)
+
+  def _check(self, **changes):
+    i = self.inp
+    args = dict(q=i.q, k=i.k_pages, v=i.v_pages, block_tables_or_none=i.block_tables,
+                kv_lens=i.seq_lens, cu_q_lens=i.cu_q_lens)
+    options = {key: changes.pop(key) for key in ("max_q_len", "sliding_window", "soft_cap")
+               if key in changes}
+    args.update(changes)
+    reference.check_static_args(*args.values(), **options)
+
+  def test_boundary_values_are_accepted(self):
+    self._check(sliding_window=1, soft_cap=1e-6, max_q_len=2)
+    self._check(block_tables_or_none=None)
+    reference.check_max_q_len(np.array([0], np.int32), 1)   # no rows
+
+  @parameterized.named_parameters(
+      ("window", dict(sliding_window=0), "sliding_window=0 must be >= 1 (None: no window)"),
+      ("cap", dict(soft_cap=0.0), "soft_cap=0.0 must be > 0 (None: no capping)"),
+      ("max_q_len", dict(max_q_len=0), "max_q_len=0 must be >= 1"),
+      ("q_rank", lambda i: dict(q=i.q[0]),
+       "q must be [num_tokens, num_q_heads, head_dim]; got shape (4, 16)"),
+      ("kv_shapes", lambda i: dict(v=i.v_pages[:, :2]),
+       "k and v shapes differ: (9, 4, 2, 16) vs (9, 2, 2, 16)"),
+      ("v_dtype", lambda i: dict(v=i.v_pages.astype(jnp.bfloat16)),
+       "dtypes differ: q=float32, k=float32, v=bfloat16"),
+      ("q_dtype", lambda i: dict(q=i.q.astype(jnp.bfloat16)),
+       "dtypes differ: q=bfloat16, k=float32, v=float32"),
+      ("head_dim", lambda i: dict(q=i.q[..., :8]),
+       "head dims differ: q head_dim=8, kv head_dim=16"),
+      ("groups", lambda i: dict(q=i.q[:, :3]),
+       "num_q_heads=3 must be divisible by num_kv_heads=2"),
+      ("kv_lens_dtype", lambda i: dict(kv_lens=i.seq_lens.astype(jnp.int16)),
+       "kv_lens must be int32; got int16"),
+      ("cu_q_lens_dtype", lambda i: dict(cu_q_lens=i.cu_q_lens.astype(jnp.int16)),
+       "cu_q_lens must be int32; got int16"),
+      ("table_dtype", lambda i: dict(block_tables_or_none=i.block_tables.astype(jnp.int16)),
+       "block_tables must be int32; got int16"),
+      ("cu_q_lens_shape", lambda i: dict(cu_q_lens=i.cu_q_lens[:2]),
+       "cu_q_lens shape (2,) must be (num_seqs + 1,) = (3,)"),
+      ("table_rows", lambda i: dict(block_tables_or_none=i.block_tables[:1]),
+       "block_tables has 1 rows but kv_lens has 2"),
+      ("q_len_bound", dict(max_q_len=1),
+       "sequence 0: q_len=2 exceeds max_q_len=1 (its queries past the bound would be dropped)"),
+  )
+  def test_each_refusal_says_exactly_what(self, change, message):
+    change = change(self.inp) if callable(change) else change
+    with self.assertRaisesRegex(ValueError, f"^{re.escape(message)}$"):
+      self._check(**change)
+
+  def test_the_longest_row_is_named(self):
+    with self.assertRaisesRegex(ValueError, r"^sequence 2: q_len=4 exceeds max_q_len=3 "):
+      reference.check_max_q_len(np.array([0, 3, 4, 8, 10], np.int32), 3)
+
+
+class KernelAvailabilityTest(parameterized.TestCase):
+  """attention.kernel_unavailable_reason on stand-in devices (the CPU has only one answer)."""
+
+  @staticmethod
+  def _gpu(capability, kind="NVIDIA H200"):
+    return types.SimpleNamespace(platform="gpu", compute_capability=capability, device_kind=kind)
+
+  @parameterized.named_parameters(
+      ("cpu", types.SimpleNamespace(platform="cpu"), {},
+       "the Triton kernel needs a CUDA GPU; this device is cpu"),
+      ("no_capability", types.SimpleNamespace(platform="gpu", device_kind="Radeon"), {},
+       "Radeon reports no CUDA compute capability (not a CUDA GPU?)"),
+      ("turing", "7.5", {}, "T4 has compute capability 7.5; the Triton backend needs >= 8.0"),
+      ("head_dim", "9.0", dict(head_dim=72), "head_dim=72 is not a multiple of 16"),
+      ("page_size", "8.0", dict(head_dim=64, page_size=12), "page_size=12 is not a power of two"),
+  )
+  def test_each_reason(self, device, kw, reason):
+    if isinstance(device, str):
+      device = self._gpu(device, "T4" if device == "7.5" else "NVIDIA H200")
+    self.assertEqual(attention.kernel_unavailable_reason(device=device, **kw), reason)
+
+  def test_the_kernel_runs_on_ampere_and_later(self):
+    for capability in ("8.0", "8.6", "9.0", "10.0", "12.0.1"):
+      self.assertIsNone(attention.kernel_unavailable_reason(64, 16, self._gpu(capability)))
+    self.assertIsNone(attention.kernel_unavailable_reason(16, 1, self._gpu("8.0")))
+    self.assertIsNone(attention.kernel_unavailable_reason(device=self._gpu("9.0")))
+    self.assertIn("this device is cpu", attention.kernel_unavailable_reason())   # the default
 
 
 if __name__ == "__main__":

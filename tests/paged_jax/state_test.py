@@ -7,7 +7,7 @@ import chex
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax import KVPool, NULL_PAGE, kv_cache_bytes, write_kv
+from paged_jax import KVPool, NULL_PAGE, kv_cache_bytes, page_ops, write_kv
 from paged_jax.host import addressing
 
 
@@ -76,7 +76,6 @@ class KVPoolTest(absltest.TestCase):
 class SwapPagesTest(absltest.TestCase):
 
   def test_read_write_round_trip_pads_counts_to_a_power_of_two(self):
-    from paged_jax import page_ops
     pool = KVPool.create(num_layers=2, num_pages=9, page_size=2, num_kv_heads=1, head_dim=3)
     rng = np.random.default_rng(0)
     pool = pool.replace(k=tuple(jnp.asarray(rng.normal(size=x.shape), x.dtype) for x in pool.k),
@@ -97,6 +96,82 @@ class SwapPagesTest(absltest.TestCase):
     self.assertEqual(page_ops._write._cache_size(), compiled)
     with self.assertRaisesRegex(ValueError, r"do not match 2 pages"):
       page_ops.write_pages(pool, [1, 2], k, v)
+
+
+def _random_pool(seed=0, **kw):
+  """A pool whose every element is distinct random data (so a copy to the wrong page shows)."""
+  pool = KVPool.create(**kw)
+  rng = np.random.default_rng(seed)
+  return pool.replace(k=tuple(jnp.asarray(rng.normal(size=x.shape), x.dtype) for x in pool.k),
+                      v=tuple(jnp.asarray(rng.normal(size=x.shape), x.dtype) for x in pool.v))
+
+
+class PageOpsTest(absltest.TestCase):
+  """copy_pages (copy-on-write), check_copy_batch, zero_pages (scrub), the swap padding."""
+
+  def test_copy_pages_copies_every_layer_k_and_v_and_nothing_else(self):
+    pool = _random_pool(num_layers=2, num_pages=6, page_size=2, num_kv_heads=1, head_dim=3)
+    before = [np.asarray(x) for x in pool.k + pool.v]
+    pool = page_ops.copy_pages(pool, jnp.array([4, 1], jnp.int32), jnp.array([2, 5], jnp.int32))
+    after = [np.asarray(x) for x in pool.k + pool.v]
+    for b, a in zip(before, after):
+      np.testing.assert_array_equal(a[[2, 5]], b[[4, 1]])
+      np.testing.assert_array_equal(a[[0, 1, 3, 4]], b[[0, 1, 3, 4]])
+
+  def test_copy_pages_rejects_mismatched_shapes(self):
+    pool = KVPool.create(num_layers=1, num_pages=4, page_size=2, num_kv_heads=1, head_dim=1)
+    with self.assertRaisesRegex(ValueError, r"src \(2,\) and dst \(1,\) must be equal 1-D"):
+      page_ops.copy_pages(pool, jnp.array([1, 2]), jnp.array([3]))
+    with self.assertRaisesRegex(ValueError, r"src \(1, 1\) and dst \(1, 1\)"):
+      page_ops.copy_pages(pool, jnp.array([[1]]), jnp.array([[3]]))
+
+  def test_check_copy_batch(self):
+    page_ops.check_copy_batch([1, 2, 0, 0], [3, 4, 0, 0])   # NULL_PAGE -> NULL_PAGE padding: fine
+    page_ops.check_copy_batch([1, 1], [3, 4])                # one source, two copies: fine
+    page_ops.check_copy_batch([], [])
+    with self.assertRaisesRegex(AssertionError,
+                                r"writes page\(s\) \[3\] twice: \[\(1, 3\), \(2, 3\)\]"):
+      page_ops.check_copy_batch([1, 2], [3, 3])
+    with self.assertRaisesRegex(AssertionError, r"^copy batch writes page\(s\) \[3\] twice: "):
+      page_ops.check_copy_batch([1, 5, 2], [3, 4, 3])   # only the page written twice is named
+    with self.assertRaisesRegex(AssertionError, r"reads and writes page\(s\) \[3\]: "
+                                r"\[\(1, 3\), \(3, 4\)\]"):
+      page_ops.check_copy_batch([1, 3], [3, 4])
+    with self.assertRaisesRegex(AssertionError, r"writes NULL_PAGE: \[\(2, 0\)\]"):
+      page_ops.check_copy_batch([2], [NULL_PAGE])
+    with self.assertRaisesRegex(AssertionError, r"reads and writes page\(s\) \[0\]"):
+      page_ops.check_copy_batch([0, 2], [3, 0])   # NULL_PAGE is ignored only as a padding pair
+
+  def test_zero_pages_scrubs_only_those_pages(self):
+    pool = _random_pool(num_layers=2, num_pages=5, page_size=2, num_kv_heads=2, head_dim=2)
+    before = [np.asarray(x) for x in pool.k + pool.v]
+    pool = page_ops.zero_pages(pool, jnp.array([3, 1], jnp.int32))
+    for b, a in zip(before, [np.asarray(x) for x in pool.k + pool.v]):
+      np.testing.assert_array_equal(a[[1, 3]], 0.0)
+      np.testing.assert_array_equal(a[[0, 2, 4]], b[[0, 2, 4]])
+
+  def test_swap_counts_pad_to_a_power_of_two(self):
+    self.assertEqual([page_ops._padded(n) for n in (1, 2, 3, 4, 5, 8, 9)],
+                     [1, 2, 4, 4, 8, 8, 16])
+
+  def test_write_pages_casts_and_pads_with_zeros_into_null_page(self):
+    pool = _random_pool(num_layers=1, num_pages=4, page_size=1, num_kv_heads=1, head_dim=1,
+                        dtype=jnp.bfloat16)
+    k = np.full((1, 3, 1, 1, 1), 1.0 + 2.0 ** -9, np.float32)   # not representable in bf16
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
+      pool = page_ops.write_pages(pool, [1, 2, 3], k, -k)     # 3 pages: one padding row
+    rounded = float(jnp.asarray(k).astype(jnp.bfloat16)[0, 0, 0, 0, 0])
+    self.assertNotEqual(rounded, float(k[0, 0, 0, 0, 0]))
+    kp, vp = pool.stacked()
+    self.assertEqual(kp.dtype, jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(kp[0, 1:], np.float32), rounded)
+    np.testing.assert_array_equal(np.asarray(vp[0, 1:], np.float32), -rounded)
+    np.testing.assert_array_equal(np.asarray(kp[0, NULL_PAGE], np.float32), 0.0)   # the padding
+    with self.assertRaisesRegex(ValueError, r"k / v shapes \(1, 3, 1, 1, 1\) / \(1, 2, 1, 1, 1\) "
+                                r"do not match 3 pages of a pool with 1 layers of \(4, 1, 1, 1\): "
+                                r"expected \(1, 3, 1, 1, 1\)"):
+      page_ops.write_pages(pool, [1, 2, 3], k, k[:, :2])
 
 
 class AddressingTest(absltest.TestCase):
