@@ -56,6 +56,7 @@ _SCHED = "paged_jax.host.scheduler.xǁSchedulerǁ"
 _MERGE = "pallas_kernels.paged_attention.merge.x_"
 _SAMPLING = "paged_jax.sampling.x_"
 _PAGE_OPS = "paged_jax.page_ops.x_"
+_REF = "pallas_kernels.paged_attention.reference.x_"
 EQUIVALENT: dict[str, str] = {
     # block_manager.py
     f"{_BM}stats__mutmut_21":
@@ -148,6 +149,16 @@ EQUIVALENT: dict[str, str] = {
            "read_pages__mutmut_3", "read_pages__mutmut_5", "read_pages__mutmut_9",
            "read_pages__mutmut_12", "write_pages__mutmut_3", "write_pages__mutmut_5",
            "write_pages__mutmut_22", "write_pages__mutmut_25")},
+    # reference.py
+    **{f"{_REF}empty_result__mutmut_{n}": "the empty lse's dtype None or left out: JAX's "
+       "default float is the float32 spelled out" for n in (10, 12)},
+    **{f"{_REF}paged_attention_reference__mutmut_{n}": "an option left out of (or None in) the "
+       "paged reference's own check: dense_attention, called next with the same max_q_len, "
+       "sliding_window and soft_cap, refuses the same values with the same messages"
+       for n in (7, 8, 9, 16, 17, 18)},
+    **{f"{_REF}paged_attention_reference__mutmut_{n}": "max_q_len None (num_tokens) for the "
+       "caller's bound in the call to dense_attention: only the padded width changes; the "
+       "caller's bound was checked just before" for n in (27, 36)},
     f"{_PAGE_OPS}write_pages__mutmut_30":
         "one padding layer more on K/V: _write stores layers 0..num_layers-1 only, and every "
         "call pads the same way, so one program still serves all counts that pad alike",

@@ -527,6 +527,30 @@ class ReferenceChecksTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, f"^{re.escape(message)}$"):
       self._check(**change)
 
+  def test_dense_attention_checks_its_own_options(self):
+    i = self.inp
+    k = reference.gather_pages(i.k_pages, i.block_tables)
+    for kw, message in ((dict(sliding_window=0), "sliding_window=0 must be >= 1 (None: no window)"),
+                        (dict(soft_cap=-2.0), "soft_cap=-2.0 must be > 0 (None: no capping)")):
+      with self.assertRaisesRegex(ValueError, f"^{re.escape(message)}$"):
+        reference.dense_attention(i.q, k, k, i.cu_q_lens, i.seq_lens, **kw)
+
+  def test_the_paged_reference_checks_its_block_table(self):
+    i = self.inp
+    for table, message in ((i.block_tables.astype(jnp.int16),
+                            "block_tables must be int32; got int16"),
+                           (i.block_tables[:1], "block_tables has 1 rows but kv_lens has 2")):
+      with self.assertRaisesRegex(ValueError, f"^{re.escape(message)}$"):
+        reference.paged_attention_reference(i.q, i.k_pages, i.v_pages, table, i.seq_lens,
+                                            i.cu_q_lens)
+
+  def test_empty_results_keep_the_query_dtype(self):
+    q = jnp.zeros((0, 4, 16), jnp.bfloat16)
+    o, lse = reference.empty_result(q, return_lse=True)
+    self.assertEqual((o.shape, o.dtype, lse.shape, lse.dtype),
+                     ((0, 4, 16), jnp.bfloat16, (0, 4), jnp.float32))
+    self.assertEqual(reference.empty_result(q).dtype, jnp.bfloat16)
+
   def test_the_longest_row_is_named(self):
     with self.assertRaisesRegex(ValueError, r"^sequence 2: q_len=4 exceeds max_q_len=3 "):
       reference.check_max_q_len(np.array([0, 3, 4, 8, 10], np.int32), 3)
