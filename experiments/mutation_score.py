@@ -149,6 +149,9 @@ EQUIVALENT: dict[str, str] = {
            "read_pages__mutmut_3", "read_pages__mutmut_5", "read_pages__mutmut_9",
            "read_pages__mutmut_12", "write_pages__mutmut_3", "write_pages__mutmut_5",
            "write_pages__mutmut_22", "write_pages__mutmut_25")},
+    f"{_PAGE_OPS}write_pages__mutmut_30":
+        "one padding layer more on K/V: _write stores layers 0..num_layers-1 only, and every "
+        "call pads the same way, so one program still serves all counts that pad alike",
     # reference.py
     **{f"{_REF}empty_result__mutmut_{n}": "the empty lse's dtype None or left out: JAX's "
        "default float is the float32 spelled out" for n in (10, 12)},
@@ -159,9 +162,6 @@ EQUIVALENT: dict[str, str] = {
     **{f"{_REF}paged_attention_reference__mutmut_{n}": "max_q_len None (num_tokens) for the "
        "caller's bound in the call to dense_attention: only the padded width changes; the "
        "caller's bound was checked just before" for n in (27, 36)},
-    f"{_PAGE_OPS}write_pages__mutmut_30":
-        "one padding layer more on K/V: _write stores layers 0..num_layers-1 only, and every "
-        "call pads the same way, so one program still serves all counts that pad alike",
 }
 
 
