@@ -115,8 +115,11 @@ class ExperimentsTest(absltest.TestCase):
       f.write("[mutmut]\nsource_paths = paged_jax/sampling.py\n")
     calls = []
 
-    def fake_mutmut(args, cwd):
+    def fake_mutmut(args, cwd, env=None):
       calls.append((args[0], cwd))
+      if args[0] == "run":   # the tests compile through the shared persistent cache
+        self.assertEqual(env["JAX_COMPILATION_CACHE_DIR"], cfg.compile_cache)
+        self.assertEqual(env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"], "0")
       if args[0] == "export-cicd-stats":
         with open(os.path.join(cwd, "mutants", "mutmut-cicd-stats.json"), "w") as f:
           json.dump(dict(killed=9, survived=1, total=10, no_tests=0, skipped=0, timeout=0), f)
@@ -133,6 +136,8 @@ class ExperimentsTest(absltest.TestCase):
     self.assertTrue(os.path.isdir(clone))   # kept
     with open(os.path.join(clone, "setup.cfg")) as f:
       self.assertEqual(f.read(), "[mutmut]\nsource_paths = paged_jax/sampling.py\n")
+    off = mutation_score.compile_cache_env("", base={"PATH": "/bin"})
+    self.assertEqual(off, {"PATH": "/bin"})
     with self.assertRaisesRegex(ValueError, "carries on one module's run"):
       mutation_score.MutationConfig(modules=("sampling", "merge"), resume=clone)
 

@@ -246,6 +246,19 @@ class IndependentReferenceTest(parameterized.TestCase):
       np.testing.assert_allclose(np.asarray(out, np.float64), oracle, **TOL[jnp.float32])
 
 
+  def test_each_query_shifts_by_its_own_max(self):
+    # Scores in the hundreds (scale 50 on unit-normal q.k of std 4): queries' best scores differ
+    # by far more than f32's exp range (~88), so a max shared by all queries would underflow
+    # a query's every weight to 0, and adding the max instead of subtracting it would overflow.
+    inp = testing.random_paged_inputs(3, [6, 7, 5], q_lens=[3, 2, 5], page_size=4)
+    oracle = testing.naive_paged_attention(*inp, scale=50.0)
+    # The weights are nearly one-hot; an f32 score of ~500 carries ~3e-5 absolute error, which
+    # moves a weight by as much where two scores are within a few units: rtol 1e-4.
+    for out in (attention.paged_attention(*inp, impl="xla", scale=50.0),
+                _reference(*inp, scale=50.0)):
+      np.testing.assert_allclose(np.asarray(out, np.float64), oracle, rtol=1e-4, atol=1e-4)
+
+
 class DecodeWorkItemsTest(parameterized.TestCase):
   """`decode_attention_xla` (one query per row, split into (row, key block) work items merged by
   scatter) against the float64 oracle: windows around a block's edges, blocks of 1-3 pages,
@@ -550,6 +563,36 @@ class ReferenceChecksTest(parameterized.TestCase):
     self.assertEqual((o.shape, o.dtype, lse.shape, lse.dtype),
                      ((0, 4, 16), jnp.bfloat16, (0, 4), jnp.float32))
     self.assertEqual(reference.empty_result(q).dtype, jnp.bfloat16)
+
+  def test_dense_attention_keeps_the_query_dtype(self):
+    i = testing.random_paged_inputs(0, [5, 9], q_lens=[2, 1], page_size=4, dtype=jnp.bfloat16)
+    k = reference.gather_pages(i.k_pages, i.block_tables)
+    self.assertEqual(reference.dense_attention(i.q, k, k, i.cu_q_lens, i.seq_lens).dtype,
+                     jnp.bfloat16)
+    none = reference.dense_attention(i.q[:0], k, k, jnp.zeros(3, jnp.int32), i.seq_lens)
+    self.assertEqual((none.shape, none.dtype), ((0, 4, 16), jnp.bfloat16))
+
+  def test_a_query_that_sees_no_key_gets_zeros(self):
+    # Two queries over one key (the engine never builds this; validate_attention_inputs refuses
+    # it): the first sits at position -1, before every key, and gets zeros as documented, not
+    # 0 / 0; the second sees the key and gets its value.
+    q = jnp.ones((2, 1, 16), jnp.float32)
+    k = jnp.full((1, 1, 1, 16), 0.5, jnp.float32)
+    o = reference.dense_attention(q, k, k, jnp.array([0, 2], jnp.int32), jnp.array([1], jnp.int32))
+    np.testing.assert_array_equal(o[:, 0], np.stack([np.zeros(16), np.full(16, 0.5)]))
+
+  def test_ragged_to_padded_and_back(self):
+    # Rows of 2 (= max_q_len), 1 and 0 queries over 5, 1 and 0 keys, one padding token; bf16,
+    # which the way back keeps.
+    q = (jnp.arange(4.0, dtype=jnp.bfloat16) + 1)[:, None, None]
+    cu, kv_lens = jnp.array([0, 2, 3, 3], jnp.int32), jnp.array([5, 1, 0], jnp.int32)
+    q_padded, q_pos, q_valid = reference.ragged_to_padded(q, cu, kv_lens, 2)
+    np.testing.assert_array_equal(q_valid, [[1, 1], [1, 0], [0, 0]])
+    np.testing.assert_array_equal(q_pos, [[3, 4], [0, 1], [0, 1]])
+    np.testing.assert_array_equal(np.where(q_valid, q_padded[..., 0, 0], 0), [[1, 2], [3, 0], [0, 0]])
+    back = reference.padded_to_ragged(q_padded, cu, 4)
+    self.assertEqual(back.dtype, jnp.bfloat16)
+    np.testing.assert_array_equal(back[:, 0, 0], [1, 2, 3, 0])   # the padding token gets 0
 
   def test_the_longest_row_is_named(self):
     with self.assertRaisesRegex(ValueError, r"^sequence 2: q_len=4 exceeds max_q_len=3 "):
