@@ -57,6 +57,7 @@ _MERGE = "pallas_kernels.paged_attention.merge.x_"
 _SAMPLING = "paged_jax.sampling.x_"
 _PAGE_OPS = "paged_jax.page_ops.x_"
 _REF = "pallas_kernels.paged_attention.reference.x_"
+_ATT = "paged_jax.attention.x_"
 EQUIVALENT: dict[str, str] = {
     # block_manager.py
     f"{_BM}stats__mutmut_21":
@@ -205,6 +206,40 @@ EQUIVALENT: dict[str, str] = {
     **{f"{_REF}paged_attention_reference__mutmut_{n}": "max_q_len None (num_tokens) for the "
        "caller's bound in the call to dense_attention: only the padded width changes; the "
        "caller's bound was checked just before" for n in (27, 36)},
+    # attention.py
+    **{f"{_ATT}merge_states__mutmut_{n}": "astype(None) for astype(float32) on the lse / output "
+       "of a state: JAX's default float is float32" for n in (9, 19)},
+    **{f"{_ATT}merge_states__mutmut_{n}": "the stand-ins of an empty state (lse = -inf) changed "
+       "(18: z 1.0 for 0.0; 27: output 1 for 0): its merge weight exp(-inf - m) is 0, and two "
+       "empty states finalize to zeros and -inf either way (merge.finalize)" for n in (18, 27)},
+    **{f"{_ATT}{name}": "q.shape[1] == 0 for q.shape[0] == 0 before the early return: with no "
+       "query tokens the general path gives the same empty result (PrefillEdgeTest runs it); "
+       "0 query heads is no real input" for name in (
+           "causal_ragged_attention__mutmut_19", "prefill_attention__mutmut_1")},
+    f"{_ATT}causal_ragged_attention__mutmut_31":
+        "num_seqs one too large: it only raises the static bound on tiles (more empty slots, "
+        "whose tokens scatter out of bounds and are dropped) and the clip of a slot's row, "
+        "which live slots never reach",
+    **{f"{_ATT}prefill_attention__mutmut_{n}": "a tuning or padding argument of the inner calls "
+       "left to its default (27: tile_tokens; 42, 52: max_q_len, the padded width; 43, 53: "
+       "pages_per_block): the same result, tiled differently" for n in (27, 42, 43, 52, 53)},
+    **{f"{_ATT}prefill_attention__mutmut_{n}": "the max over prefix lengths without initial=0: "
+       "a batch has rows (with none, causal_ragged_attention, called first, fails on the "
+       "empty cumsum)" for n in (75, 77)},
+    **{f"{_ATT}prefill_attention__mutmut_{n}": "the prefix branch taken when no row has a prefix "
+       "(78: initial 1; 79: >= 0): it merges an empty state, so only the time changes (the cond "
+       "is there to skip it)" for n in (78, 79)},
+    **{f"{_ATT}step_attention__mutmut_{n}": "arange's dtype None or left out: JAX's default "
+       "int32" for n in (77, 79)},
+    f"{_ATT}step_attention__mutmut_83":
+        "q.shape[0] >= d: an all-decode batch also runs prefill_attention on zero tokens, which "
+        "returns an empty result, and concatenating it changes nothing",
+    f"{_ATT}step_attention__mutmut_105":
+        "concatenate a single part: the same array",
+    f"{_ATT}validate_attention_inputs__mutmut_83":
+        "lens / page_size for lens // page_size in the live-page bound -(-lens // page_size): "
+        "page j is live when j < ceil(lens / page_size), and for an integer j that is j < "
+        "lens / page_size",
 }
 
 

@@ -3,6 +3,7 @@
 import math
 import re
 import types
+from unittest import mock
 
 from absl.testing import absltest, parameterized
 import chex
@@ -206,6 +207,117 @@ class PrefillAttentionTest(parameterized.TestCase):
     out = attention.step_attention(inp.q, k, v, *inp[1:], num_decode=num_decode, max_q_len=8,
                                    impl="xla", soft_cap=3.0)
     chex.assert_trees_all_close(out, _reference(*inp, soft_cap=3.0), **TOL[jnp.float32])
+
+
+class PrefillEdgeTest(parameterized.TestCase):
+  """The XLA split's edges: empty and one-token batches, a prefix of one key, more decode rows
+  than heads, and the options `causal_ragged_attention` checks itself."""
+
+  def test_empty_batches(self):
+    inp = testing.random_paged_inputs(1, [5, 9], q_lens=[2, 1], page_size=4, dtype=jnp.bfloat16)
+    inp = inp._replace(q=inp.q[:0], cu_q_lens=jnp.zeros(3, jnp.int32))
+    k = jnp.zeros((0, 2, 16), jnp.bfloat16)
+    o, lse = attention.causal_ragged_attention(inp.q, k, k, inp.cu_q_lens, max_q_len=1)
+    self.assertEqual((o.shape, o.dtype, lse.shape, lse.dtype),
+                     ((0, 4, 16), jnp.bfloat16, (0, 4), jnp.float32))
+    o = attention.prefill_attention(inp.q, k, k, *inp[1:], max_q_len=1)
+    self.assertEqual((o.shape, o.dtype), ((0, 4, 16), jnp.bfloat16))
+
+  @parameterized.parameters(([1], [1]), ([5], [1]), ([4, 3], [3, 3]), ([2, 6], [1, 5]))
+  def test_one_token_and_one_key_prefixes(self, seq_lens, q_lens):
+    # One query token in all; prefixes of exactly one key (the smallest that must be read).
+    inp = testing.random_paged_inputs(2, seq_lens, q_lens=q_lens, page_size=4)
+    k, v = _new_kv(inp)
+    out = attention.prefill_attention(inp.q, k, v, *inp[1:], max_q_len=max(q_lens), scale=0.3)
+    chex.assert_trees_all_close(out, _reference(*inp, scale=0.3), **TOL[jnp.float32])
+    if sum(q_lens) == 1 and seq_lens == q_lens:   # no prefix: the causal part alone
+      o, _ = attention.causal_ragged_attention(inp.q, k, v, inp.cu_q_lens, max_q_len=1, scale=0.3)
+      chex.assert_trees_all_close(o, _reference(*inp, scale=0.3), **TOL[jnp.float32])
+
+  def test_more_decode_rows_than_heads(self):
+    # 5 decode rows, then a chunk of 3: num_decode exceeds the 4 query heads.
+    inp = testing.random_paged_inputs(5, [3, 7, 1, 9, 4, 6], q_lens=[1] * 5 + [3], page_size=4)
+    k, v = _new_kv(inp)
+    out = attention.step_attention(inp.q, k, v, *inp[1:], num_decode=5, max_q_len=3, impl="xla")
+    chex.assert_trees_all_close(out, _reference(*inp), **TOL[jnp.float32])
+
+  @parameterized.named_parameters(
+      ("window", dict(sliding_window=0), "sliding_window=0 must be >= 1 (None: no window)"),
+      ("cap", dict(soft_cap=0.0), "soft_cap=0.0 must be > 0 (None: no capping)"),
+      ("bound", dict(max_q_len=2),
+       "sequence 0: q_len=3 exceeds max_q_len=2 (its queries past the bound would be dropped)"))
+  def test_causal_checks_its_options(self, kw, message):
+    inp = testing.random_paged_inputs(1, [3, 2], q_lens=[3, 2], page_size=4)
+    k, v = _new_kv(inp)
+    kw = dict(dict(max_q_len=3), **kw)
+    with self.assertRaisesRegex(ValueError, f"^{re.escape(message)}$"):
+      attention.causal_ragged_attention(inp.q, k, v, inp.cu_q_lens, **kw)
+
+
+class StepDispatchTest(parameterized.TestCase):
+  """Which path `step_attention` takes, with what: the kernel in one launch (`paged_attention`)
+  or the XLA split (decode rows, then prefill chunks). Both give the same numbers, so the route
+  is observed by standing in for `paged_attention` and for the device's answer."""
+
+  def setUp(self):
+    super().setUp()
+    self.inp = testing.random_paged_inputs(8, [9, 1, 6, 11], q_lens=[1, 1, 6, 3], page_size=4,
+                                           pad_tokens=1)
+    self.k, self.v = _new_kv(self.inp)
+    self.kw = dict(scale=0.3, sliding_window=5, soft_cap=3.0)
+
+  def _step(self, **kw):
+    return attention.step_attention(self.inp.q, self.k, self.v, *self.inp[1:], num_decode=2,
+                                    max_q_len=6, **self.kw, **kw)
+
+  def test_options_reach_the_xla_split(self):
+    # The default impl is "auto", which is the XLA split on the CPU.
+    chex.assert_trees_all_close(self._step(), _reference(*self.inp, **self.kw),
+                                **TOL[jnp.float32])
+
+  @parameterized.parameters(
+      # (impl, the device's reason the kernel cannot run, whether the kernel launch is taken)
+      ("auto", "no GPU here", False), ("auto", None, True), ("xla", None, False),
+      ("xla", "no GPU here", False), ("pallas", "no GPU here", True),
+      ("interpret", "no GPU here", True), ("interpret", None, True))
+  def test_route(self, impl, reason, kernel):
+    asked, launched = [], []
+
+    def unavailable(*args, **kwargs):
+      asked.append((args, kwargs))
+      return reason
+
+    def launch(q, *args, **kwargs):
+      launched.append((q, args, kwargs))
+      return jnp.zeros_like(q)
+
+    with mock.patch.object(attention, "kernel_unavailable_reason", unavailable), \
+         mock.patch.object(attention, "paged_attention", launch):
+      out = self._step(impl=impl)
+    self.assertEqual(asked, [((16, 4), {})])   # this call's head_dim and page_size
+    if kernel:
+      ((q, args, kwargs),) = launched
+      self.assertIs(q, self.inp.q)
+      self.assertEqual(len(args), 5)   # pages, tables and lengths, passed on as they came
+      self.assertTrue(all(a is b for a, b in zip(args, self.inp[1:])))
+      self.assertEqual(kwargs, dict(max_q_len=6, impl=impl, **self.kw))
+      np.testing.assert_array_equal(out, 0)
+    else:
+      self.assertEqual(launched, [])
+      chex.assert_trees_all_close(out, _reference(*self.inp, **self.kw), **TOL[jnp.float32])
+
+  def test_decode_only_asks_the_kernel_for_one_query_rows(self):
+    inp = testing.random_paged_inputs(8, [9, 1], page_size=4)
+    k, v = _new_kv(inp)
+    with mock.patch.object(attention, "paged_attention",
+                           lambda q, *a, **kw: (self.assertEqual(kw["max_q_len"], 1), q)[1]):
+      attention.step_attention(inp.q, k, v, *inp[1:], num_decode=2, max_q_len=0,
+                               impl="interpret")
+
+  def test_unknown_impl_is_named(self):
+    with self.assertRaisesRegex(ValueError, r"^impl='triton' is not one of \('auto', 'xla', "
+                                r"'pallas', 'interpret'\)$"):
+      self._step(impl="triton")
 
 
 class IndependentReferenceTest(parameterized.TestCase):
@@ -431,6 +543,38 @@ class BadInputTest(parameterized.TestCase):
   def test_rejected_with_named_values(self, message, change):
     with self.assertRaisesRegex(ValueError, message.replace("[", r"\[").replace("]", r"\]")):
       self._call(**change(self.inp))
+
+  @parameterized.named_parameters(
+      # 3 query tokens, 9 pages of 4, tables [[6 1 0 0], [2 5 3 0]] (capacity 16 keys).
+      ("cu_start", lambda i: dict(cu_q_lens=jnp.array([1, 2, 3], jnp.int32)),
+       "cu_q_lens=[1, 2, 3] must start at 0 and never decrease"),
+      ("cu_decreasing", lambda i: dict(cu_q_lens=jnp.array([0, 3, 2], jnp.int32)),
+       "cu_q_lens=[0, 3, 2] must start at 0 and never decrease"),
+      ("cu_past_q", lambda i: dict(cu_q_lens=jnp.array([0, 2, 4], jnp.int32)),
+       "cu_q_lens[-1]=4 exceeds num_tokens=3"),
+      ("negative_len", lambda i: dict(seq_lens=jnp.array([-1, 9], jnp.int32),
+                                      cu_q_lens=jnp.array([0, 0, 1], jnp.int32)),
+       "seq_lens=[-1, 9] has negative entries"),
+      ("q_len", lambda i: dict(seq_lens=jnp.array([1, 9], jnp.int32)),
+       "sequence 0: q_len=2 is larger than its kv_len=1"),
+      ("capacity", lambda i: dict(seq_lens=jnp.array([5, 17], jnp.int32)),
+       "sequence 1: seq_len=17 exceeds the block table's capacity 4 pages x page_size=4 = 16"),
+      ("page_id_is_num_pages", lambda i: dict(block_tables=i.block_tables.at[1, 3].set(9)),
+       "block_tables[1, 3]=9 is outside [0, num_pages=9)"),
+      ("null_live", lambda i: dict(block_tables=i.block_tables.at[1, 2].set(0)),
+       "block_tables[1, 2] is NULL_PAGE but sequence 1 has seq_len=9 tokens, so page 2 is live"),
+  )
+  def test_value_refusals_say_exactly_what(self, change, message):
+    with self.assertRaisesRegex(ValueError, f"^{re.escape(message)}$"):
+      self._call(**change(self.inp))
+
+  def test_boundary_values_are_accepted(self):
+    i = self.inp
+    self._call(seq_lens=jnp.array([2, 9], jnp.int32))     # q_len = kv_len
+    self._call(seq_lens=jnp.array([5, 0], jnp.int32), cu_q_lens=jnp.array([0, 2, 2], jnp.int32))
+    self._call(cu_q_lens=jnp.array([0, 2, 2], jnp.int32))  # fewer queries than tokens, a q_len 0
+    # A full table (the last column's page given to sequence 1) and the last page id.
+    self._call(seq_lens=jnp.array([5, 16], jnp.int32), block_tables=i.block_tables.at[1, 3].set(8))
 
   def test_jitted_path_rejects_static_problems_too(self):
     with self.assertRaisesRegex(ValueError, "num_q_heads=3"):
