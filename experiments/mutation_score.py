@@ -220,6 +220,55 @@ EQUIVALENT: dict[str, str] = {
         "num_seqs one too large: it only raises the static bound on tiles (more empty slots, "
         "whose tokens scatter out of bounds and are dropped) and the clip of a slot's row, "
         "which live slots never reach",
+    **{f"{_ATT}causal_ragged_attention__mutmut_{n}": "a tiling floor of 2 for 1 (48: tile, "
+       "57: max_q_len's floor in it, 63: tiles per chunk): any tile and chunk size give the same "
+       "result; the floors only keep them >= 1" for n in (48, 57, 63)},
+    **{f"{_ATT}causal_ragged_attention__mutmut_{n}": "arange's dtype None or left out: JAX's "
+       "default int32" for n in (91, 93, 138, 140)},
+    **{f"{_ATT}causal_ragged_attention__mutmut_{n}": "the clip of a tile slot's row changed (96: "
+       "no lower bound, searchsorted is >= 0; 97, 100, 110: no upper bound or num_seqs + 1): "
+       "only slots past the last row's tiles (not live) get row num_seqs, JAX clamps their "
+       "lens / first gathers, and their tokens are num_tokens (none), so nothing of theirs is "
+       "read or written" for n in (96, 97, 100, 110)},
+    **{f"{_ATT}causal_ragged_attention__mutmut_{n}": "a dead slot's place in the order (115: "
+       "the slot just past the last row counted live, a tile past that row's end with no valid "
+       "position; 125, 126: its lookback +1 or -2 for -1; 131, 133: an unstable sort): each "
+       "slot's queries are masked by their own validity and lookback, and sorting by lookback, "
+       "longest first, still puts each chunk's longest first, so only which slots share a "
+       "chunk (the time) changes" for n in (115, 125, 126, 131, 133)},
+    **{f"{_ATT}causal_ragged_attention__mutmut_{n}": "a dtype None or left out where JAX's "
+       "default is the float32 (or int32) spelled out: the padding row of the gather (155, 157: "
+       "f32 zeros promote a bf16 K / V to f32, which the next line casts to anyway), the f32 "
+       "casts of K, V, q (174, 177, 182: astype(None) is float32 for bf16 too), key positions "
+       "(250, 252), the loop's initial summary (309-321)"
+       for n in (155, 157, 174, 177, 182, 250, 252, 309, 312, 315, 317, 319, 321)},
+    f"{_ATT}causal_ragged_attention__mutmut_159":
+        "two zero rows appended for one: index num_tokens still reads a zero row",
+    **{f"{_ATT}causal_ragged_attention__mutmut_{n}": "the clip of the key tile kt = tiles_c - o "
+       "changed (235: no lower bound; 236, 239, 242: no upper bound or num_slots + 1; 243: "
+       "num_slots - 2): kt <= tiles_c < num_slots, a tile with o past its lookback (where kt may "
+       "go below its row, or below 0, which JAX wraps) is masked by o <= back_c, and the last "
+       "slot is never a live tile: live tiles number sum(ceil(len / tile)) < "
+       "ceil(num_tokens / tile) + num_seqs = bound <= num_slots"
+       for n in (235, 236, 239, 242, 243)},
+    **{f"{_ATT}causal_ragged_attention__mutmut_{n}": "einsum precision default for HIGHEST "
+       "(f32 dots on the CPU are full f32) or the einsum spelled in capitals"
+       for n in (267, 271, 273, 298)},
+    **{f"{_ATT}causal_ragged_attention__mutmut_{n}": "dtype None or left out (343, 345: the "
+       "scan's chunk ids, int32; 405, 407, 417, 420: the f32 output / lse buffers) or the "
+       "scatter's mode left to its default (401, 403, 412, 414: an out-of-bounds update is "
+       "dropped by default, as mode='drop' says): JAX's defaults are the values spelled out"
+       for n in (343, 345, 401, 403, 405, 407, 412, 414, 417, 420)},
+    f"{_ATT}causal_ragged_attention__mutmut_335":
+        "one key-tile offset more per chunk: offset back + 1 is masked for every tile of the "
+        "chunk (o <= back_c), so only the time changes",
+    **{f"{_ATT}paged_attention__mutmut_{n}": "a check left out of the dispatcher's own "
+       "check_static_args (12: the block table; 16, 17, 25, 26: the window / cap): each path it "
+       "dispatches to (paged_attention_xla, decode_attention_xla, the kernel) runs the same "
+       "check, with the same message, first" for n in (12, 16, 17, 25, 26)},
+    f"{_ATT}paged_attention__mutmut_27":
+        "q.shape[1] == 0 for q.shape[0] == 0 before the early return: each path returns the same "
+        "empty result for zero query tokens itself (BadInputTest.test_zero_query_tokens)",
     **{f"{_ATT}prefill_attention__mutmut_{n}": "a tuning or padding argument of the inner calls "
        "left to its default (27: tile_tokens; 42, 52: max_q_len, the padded width; 43, 53: "
        "pages_per_block): the same result, tiled differently" for n in (27, 42, 43, 52, 53)},

@@ -13,7 +13,7 @@ import numpy as np
 
 from paged_jax import attention, testing
 from paged_jax.attention import Summary
-from pallas_kernels.paged_attention import reference
+from pallas_kernels.paged_attention import kernel_triton, reference
 from pallas_kernels.paged_attention.merge import merge_along, merge_summaries
 
 TOL = {  # tokamax's table; the issue's bounds.
@@ -223,15 +223,27 @@ class PrefillEdgeTest(parameterized.TestCase):
     o = attention.prefill_attention(inp.q, k, k, *inp[1:], max_q_len=1)
     self.assertEqual((o.shape, o.dtype), ((0, 4, 16), jnp.bfloat16))
 
-  @parameterized.parameters(([1], [1]), ([5], [1]), ([4, 3], [3, 3]), ([2, 6], [1, 5]))
-  def test_one_token_and_one_key_prefixes(self, seq_lens, q_lens):
-    # One query token in all; prefixes of exactly one key (the smallest that must be read).
+  def test_bf16_in_bf16_out(self):
+    inp = testing.random_paged_inputs(3, [5, 9], q_lens=[5, 2], page_size=4, dtype=jnp.bfloat16)
+    k, v = _new_kv(inp)
+    o, lse = attention.causal_ragged_attention(inp.q, k, v, inp.cu_q_lens, max_q_len=5)
+    self.assertEqual((o.dtype, lse.dtype), (jnp.bfloat16, jnp.float32))
+    self.assertEqual(attention.prefill_attention(inp.q, k, v, *inp[1:], max_q_len=5).dtype,
+                     jnp.bfloat16)
+
+  @parameterized.parameters(([1], [1]), ([5], [1]), ([4, 3], [3, 3]), ([2, 6], [1, 5]),
+                            ([1] * 5, [1] * 5))
+  def test_one_token_rows_and_one_key_prefixes(self, seq_lens, q_lens):
+    # One-token batches and rows (five fresh one-token prompts fill causal's tile slots exactly:
+    # one tile more per row would push the last row past them); prefixes of exactly one key
+    # (the smallest that must be read).
     inp = testing.random_paged_inputs(2, seq_lens, q_lens=q_lens, page_size=4)
     k, v = _new_kv(inp)
     out = attention.prefill_attention(inp.q, k, v, *inp[1:], max_q_len=max(q_lens), scale=0.3)
     chex.assert_trees_all_close(out, _reference(*inp, scale=0.3), **TOL[jnp.float32])
-    if sum(q_lens) == 1 and seq_lens == q_lens:   # no prefix: the causal part alone
-      o, _ = attention.causal_ragged_attention(inp.q, k, v, inp.cu_q_lens, max_q_len=1, scale=0.3)
+    if seq_lens == q_lens:   # no prefix: the causal part alone
+      o, _ = attention.causal_ragged_attention(inp.q, k, v, inp.cu_q_lens, max_q_len=max(q_lens),
+                                               scale=0.3)
       chex.assert_trees_all_close(o, _reference(*inp, scale=0.3), **TOL[jnp.float32])
 
   def test_more_decode_rows_than_heads(self):
@@ -313,6 +325,26 @@ class StepDispatchTest(parameterized.TestCase):
                            lambda q, *a, **kw: (self.assertEqual(kw["max_q_len"], 1), q)[1]):
       attention.step_attention(inp.q, k, v, *inp[1:], num_decode=2, max_q_len=0,
                                impl="interpret")
+
+  @parameterized.parameters(("interpret", True), ("pallas", True), ("auto", False),
+                            ("xla", False))
+  def test_paged_attention_runs_the_kernel_interpreted_when_asked(self, impl, kernel):
+    launched = []
+
+    def kernel_call(q, *args, **kwargs):
+      launched.append(kwargs)
+      return jnp.zeros_like(q)
+
+    kw = dict(interpret=True) if impl == "pallas" else {}
+    with mock.patch.object(attention.kernel_triton, "paged_attention", kernel_call):
+      out = attention.paged_attention(*self.inp, max_q_len=6, impl=impl, precision="tf32x3", **kw)
+    if kernel:
+      self.assertEqual(launched, [dict(block_sizes=kernel_triton.BlockSizes(), interpret=True,
+                                       precision="tf32x3", max_q_len=6, scale=None,
+                                       sliding_window=None, soft_cap=None, return_lse=False)])
+    else:
+      self.assertEqual(launched, [])
+      chex.assert_trees_all_close(out, _reference(*self.inp), **TOL[jnp.float32])
 
   def test_unknown_impl_is_named(self):
     with self.assertRaisesRegex(ValueError, r"^impl='triton' is not one of \('auto', 'xla', "
@@ -575,6 +607,19 @@ class BadInputTest(parameterized.TestCase):
     self._call(cu_q_lens=jnp.array([0, 2, 2], jnp.int32))  # fewer queries than tokens, a q_len 0
     # A full table (the last column's page given to sequence 1) and the last page id.
     self._call(seq_lens=jnp.array([5, 16], jnp.int32), block_tables=i.block_tables.at[1, 3].set(8))
+
+  def test_dispatcher_refusals_say_exactly_what(self):
+    with self.assertRaisesRegex(ValueError, r"^impl='cuda' is not one of \('auto', 'xla', "
+                                r"'pallas', 'interpret'\)$"):
+      attention.paged_attention(*self.inp, impl="cuda")
+    with self.assertRaisesRegex(ValueError, "^block_tables must be int32; got int16$"):
+      attention.paged_attention(*self.inp._replace(
+          block_tables=self.inp.block_tables.astype(jnp.int16)))
+    # The kernel forced where it cannot run compiled (here: a CPU), without interpret=True.
+    with self.assertRaisesRegex(ValueError, re.escape(
+        "impl='pallas' cannot run here: the Triton kernel needs a CUDA GPU; this device is "
+        "cpu. Use impl='xla' (or interpret=True to run the kernel through Pallas' interpreter).")):
+      attention.paged_attention(*self.inp, impl="pallas")
 
   def test_jitted_path_rejects_static_problems_too(self):
     with self.assertRaisesRegex(ValueError, "num_q_heads=3"):
