@@ -266,6 +266,8 @@ EQUIVALENT: dict[str, str] = {
        "check_static_args (12: the block table; 16, 17, 25, 26: the window / cap): each path it "
        "dispatches to (paged_attention_xla, decode_attention_xla, the kernel) runs the same "
        "check, with the same message, first" for n in (12, 16, 17, 25, 26)},
+    **{f"{_ATT}paged_attention__mutmut_{n}": "pages_per_block left to its default on the "
+       "decode path: the same result, tiled differently" for n in (114, 121)},
     f"{_ATT}paged_attention__mutmut_27":
         "q.shape[1] == 0 for q.shape[0] == 0 before the early return: each path returns the same "
         "empty result for zero query tokens itself (BadInputTest.test_zero_query_tokens)",

@@ -326,25 +326,44 @@ class StepDispatchTest(parameterized.TestCase):
       attention.step_attention(inp.q, k, v, *inp[1:], num_decode=2, max_q_len=0,
                                impl="interpret")
 
-  @parameterized.parameters(("interpret", True), ("pallas", True), ("auto", False),
-                            ("xla", False))
-  def test_paged_attention_runs_the_kernel_interpreted_when_asked(self, impl, kernel):
-    launched = []
+  @parameterized.parameters(
+      # (impl, interpret, the device's reason the kernel cannot run, what runs: the kernel
+      # compiled, interpreted, or the XLA path)
+      ("interpret", False, "no GPU here", "interpreted"), ("pallas", True, "no GPU here",
+      "interpreted"), ("auto", False, "no GPU here", "xla"), ("xla", False, None, "xla"),
+      ("auto", False, None, "compiled"), ("pallas", False, None, "compiled"))
+  def test_paged_attention_route(self, impl, interpret, reason, runs):
+    asked, launched = [], []
+
+    def unavailable(*args, **kwargs):
+      asked.append((args, kwargs))
+      return reason
 
     def kernel_call(q, *args, **kwargs):
       launched.append(kwargs)
       return jnp.zeros_like(q)
 
-    kw = dict(interpret=True) if impl == "pallas" else {}
-    with mock.patch.object(attention.kernel_triton, "paged_attention", kernel_call):
-      out = attention.paged_attention(*self.inp, max_q_len=6, impl=impl, precision="tf32x3", **kw)
-    if kernel:
-      self.assertEqual(launched, [dict(block_sizes=kernel_triton.BlockSizes(), interpret=True,
-                                       precision="tf32x3", max_q_len=6, scale=None,
-                                       sliding_window=None, soft_cap=None, return_lse=False)])
-    else:
+    with mock.patch.object(attention, "kernel_unavailable_reason", unavailable), \
+         mock.patch.object(attention.kernel_triton, "paged_attention", kernel_call):
+      out = attention.paged_attention(*self.inp, max_q_len=6, impl=impl, interpret=interpret,
+                                      precision="tf32x3")
+    self.assertEqual(asked, [((16, 4), {})])   # this call's head_dim and page_size
+    if runs == "xla":
       self.assertEqual(launched, [])
       chex.assert_trees_all_close(out, _reference(*self.inp), **TOL[jnp.float32])
+    else:
+      self.assertEqual(launched, [dict(block_sizes=kernel_triton.BlockSizes(),
+                                       interpret=runs == "interpreted", precision="tf32x3",
+                                       max_q_len=6, scale=None, sliding_window=None,
+                                       soft_cap=None, return_lse=False)])
+
+  def test_decode_rows_through_the_dispatcher_keep_their_options(self):
+    # max_q_len=1 takes decode_attention_xla; the options and return_lse must go with it.
+    inp = testing.random_paged_inputs(4, [9, 1, 17], page_size=4)
+    o, lse = attention.paged_attention(*inp, max_q_len=1, impl="xla", return_lse=True, **self.kw)
+    chex.assert_trees_all_close(o, _reference(*inp, **self.kw), **TOL[jnp.float32])
+    _, lse_ref = attention.paged_attention_xla(*inp, return_lse=True, **self.kw)
+    chex.assert_trees_all_close(lse, lse_ref, **TOL[jnp.float32])
 
   def test_unknown_impl_is_named(self):
     with self.assertRaisesRegex(ValueError, r"^impl='triton' is not one of \('auto', 'xla', "
