@@ -268,6 +268,27 @@ EQUIVALENT: dict[str, str] = {
        "check, with the same message, first" for n in (12, 16, 17, 25, 26)},
     **{f"{_ATT}paged_attention__mutmut_{n}": "pages_per_block left to its default on the "
        "decode path: the same result, tiled differently" for n in (114, 121)},
+    **{f"{_ATT}paged_attention__mutmut_{n}": "pages_per_block left to its default on "
+       "paged_attention_xla: the same result, tiled differently" for n in (129, 136)},
+    f"{_ATT}_blocked_attention__mutmut_4":
+        "max_q_len always num_tokens: only the padded width changes",
+    **{f"{_ATT}_blocked_attention__mutmut_{n}": "the loop's block count one too high (23: + 1 "
+       "for - 1; 29: initial=1, a block when no row has a key): the extra block's keys are past "
+       "every kv_len and masked, so only the time changes" for n in (23, 29)},
+    **{f"{_ATT}_blocked_attention__mutmut_{n}": "the max over kv_lens without initial=0: it "
+       "differs only for a batch of zero rows, which fails either way (ragged_to_padded's "
+       "gather on no rows; here the max's empty reduction first)" for n in (26, 28)},
+    **{f"{_ATT}_blocked_attention__mutmut_{n}": "a dtype None or left out where JAX's default "
+       "is the one spelled out: key positions (63, 65: int32), the f32 casts of V and K (69, "
+       "88: astype(None) is float32 for bf16 too), the loop's initial summary (135-147: float32)"
+       for n in (63, 65, 69, 88, 135, 138, 141, 143, 145, 147)},
+    f"{_ATT}_blocked_attention__mutmut_76":
+        "1 for 0 in V slots past kv_len: their weights are 0 (scores masked to -inf), and any "
+        "finite stand-in guards against NaN",
+    **{f"{_ATT}_blocked_attention__mutmut_{n}": "einsum precision default for HIGHEST (f32 dots "
+       "on the CPU are full f32) or the einsum spelled in capitals" for n in (81, 85, 87, 124)},
+    f"{_ATT}_blocked_attention__mutmut_56":
+        "astype(None) for astype(float32) on the queries: JAX's default float is float32",
     f"{_ATT}paged_attention__mutmut_27":
         "q.shape[1] == 0 for q.shape[0] == 0 before the early return: each path returns the same "
         "empty result for zero query tokens itself (BadInputTest.test_zero_query_tokens)",

@@ -231,6 +231,17 @@ class PrefillEdgeTest(parameterized.TestCase):
     self.assertEqual(attention.prefill_attention(inp.q, k, v, *inp[1:], max_q_len=5).dtype,
                      jnp.bfloat16)
 
+  @parameterized.parameters(None, 1)
+  def test_xla_paths_keep_bf16_and_padding_lse_is_minus_inf(self, max_q_len):
+    # Two padding tokens after the rows' queries (max_q_len None: paged_attention_xla; 1:
+    # decode_attention_xla).
+    inp = testing.random_paged_inputs(3, [5, 9], page_size=4, dtype=jnp.bfloat16, pad_tokens=2)
+    o, lse = attention.paged_attention(*inp, max_q_len=max_q_len, impl="xla", return_lse=True)
+    self.assertEqual((o.dtype, lse.dtype), (jnp.bfloat16, jnp.float32))
+    self.assertTrue(np.all(np.isneginf(np.asarray(lse[2:]))))
+    self.assertTrue(np.all(np.isfinite(np.asarray(lse[:2]))))
+    np.testing.assert_array_equal(np.asarray(o[2:], np.float32), 0)
+
   @parameterized.parameters(([1], [1]), ([5], [1]), ([4, 3], [3, 3]), ([2, 6], [1, 5]),
                             ([1] * 5, [1] * 5))
   def test_one_token_rows_and_one_key_prefixes(self, seq_lens, q_lens):
