@@ -1,5 +1,6 @@
 """Exactness of every attention path against `dense_attention`, NaN-poisoned pools, seeds' examples."""
 
+import contextlib
 import math
 import re
 import types
@@ -298,12 +299,10 @@ class StepDispatchTest(parameterized.TestCase):
     chex.assert_trees_all_close(self._step(), _reference(*self.inp, **self.kw),
                                 **TOL[jnp.float32])
 
-  @parameterized.parameters(
-      # (impl, the device's reason the kernel cannot run, whether the kernel launch is taken)
-      ("auto", "no GPU here", False), ("auto", None, True), ("xla", None, False),
-      ("xla", "no GPU here", False), ("pallas", "no GPU here", True),
-      ("interpret", "no GPU here", True), ("interpret", None, True))
-  def test_route(self, impl, reason, kernel):
+  @contextlib.contextmanager
+  def _stand_ins(self, reason, launcher, name):
+    """The device's answer `reason`, and `launcher.name` recording its calls (q, args, kwargs)
+    and returning zeros; yields the two lists of calls."""
     asked, launched = [], []
 
     def unavailable(*args, **kwargs):
@@ -315,7 +314,16 @@ class StepDispatchTest(parameterized.TestCase):
       return jnp.zeros_like(q)
 
     with mock.patch.object(attention, "kernel_unavailable_reason", unavailable), \
-         mock.patch.object(attention, "paged_attention", launch):
+         mock.patch.object(launcher, name, launch):
+      yield asked, launched
+
+  @parameterized.parameters(
+      # (impl, the device's reason the kernel cannot run, whether the kernel launch is taken)
+      ("auto", "no GPU here", False), ("auto", None, True), ("xla", None, False),
+      ("xla", "no GPU here", False), ("pallas", "no GPU here", True),
+      ("interpret", "no GPU here", True), ("interpret", None, True))
+  def test_route(self, impl, reason, kernel):
+    with self._stand_ins(reason, attention, "paged_attention") as (asked, launched):
       out = self._step(impl=impl)
     self.assertEqual(asked, [((16, 4), {})])   # this call's head_dim and page_size
     if kernel:
@@ -344,18 +352,7 @@ class StepDispatchTest(parameterized.TestCase):
       "interpreted"), ("auto", False, "no GPU here", "xla"), ("xla", False, None, "xla"),
       ("auto", False, None, "compiled"), ("pallas", False, None, "compiled"))
   def test_paged_attention_route(self, impl, interpret, reason, runs):
-    asked, launched = [], []
-
-    def unavailable(*args, **kwargs):
-      asked.append((args, kwargs))
-      return reason
-
-    def kernel_call(q, *args, **kwargs):
-      launched.append(kwargs)
-      return jnp.zeros_like(q)
-
-    with mock.patch.object(attention, "kernel_unavailable_reason", unavailable), \
-         mock.patch.object(attention.kernel_triton, "paged_attention", kernel_call):
+    with self._stand_ins(reason, kernel_triton, "paged_attention") as (asked, launched):
       out = attention.paged_attention(*self.inp, max_q_len=6, impl=impl, interpret=interpret,
                                       precision="tf32x3")
     self.assertEqual(asked, [((16, 4), {})])   # this call's head_dim and page_size
@@ -363,7 +360,7 @@ class StepDispatchTest(parameterized.TestCase):
       self.assertEqual(launched, [])
       chex.assert_trees_all_close(out, _reference(*self.inp), **TOL[jnp.float32])
     else:
-      self.assertEqual(launched, [dict(block_sizes=kernel_triton.BlockSizes(),
+      self.assertEqual([kwargs for _, _, kwargs in launched], [dict(block_sizes=kernel_triton.BlockSizes(),
                                        interpret=runs == "interpreted", precision="tf32x3",
                                        max_q_len=6, scale=None, sliding_window=None,
                                        soft_cap=None, return_lse=False)])
