@@ -200,12 +200,20 @@ def ensure_triton(python: str) -> str | None:
   return tool_venv.ensure(python, "triton", TRITON_VERSION, [f"triton=={TRITON_VERSION}"])
 
 
+def kernel_key(kernel: triton_ir.TritonKernel) -> str:
+  """One kernel's identity (12 hex digits of a SHA-1): its Triton IR (which holds no source
+  locations), warps and stages. The same key, the same compile: `check` compiles each key once,
+  and a matrix row's key says which kernel its figures are for."""
+  return hashlib.sha1(f"{kernel.ttir}|{kernel.num_warps}|{kernel.num_stages}".encode()
+                      ).hexdigest()[:12]
+
+
 def check(cfg_kernels, archs, triton_python, workdir) -> list[dict]:
   """Compiles each distinct kernel once per arch; one row per (configuration, arch)."""
   jobs, key_of, seen = [], {}, set()
   for cfg, kernels in cfg_kernels:
     for k in kernels:
-      key = hashlib.sha1(f"{k.ttir}|{k.num_warps}|{k.num_stages}".encode()).hexdigest()[:12]
+      key = kernel_key(k)
       key_of[(cfg, k.name)] = key
       if key in seen:
         continue
@@ -331,9 +339,9 @@ def main(argv):
   if FLAGS.source == "xla":
     return main_xla()
   if FLAGS.table_from:
-    with open(FLAGS.table_from) as fh:
-      recs = [json.loads(line) for line in fh]
-    rec = [r for r in recs if r.get("kind") == "matrix"][-1]
+    rec = newest_matrix(FLAGS.table_from)
+    if rec is None:
+      raise ValueError(f"table_from={FLAGS.table_from!r} holds no whole-matrix record")
     write_table(summary_table(rec["rows"]), "python -m experiments.kernel_ptx --write_table",
                 f"jax {rec['jax']}, triton {rec['triton']}, {rec.get('date', 'CI run')}")
     print(f"wrote the table of {len(rec['rows'])} rows from {FLAGS.table_from} to {WORKSPACE}")
@@ -390,21 +398,58 @@ _KEEP = ("ok", "label", "dtype", "precision", "head_dim", "page_size", "mode", "
          "occupancy", "limit", "pass", "problems", "key")
 
 
+_RESULTS_JSONL = os.path.join(output.RESULTS, "kernel_ptx.jsonl")
+
+
+def newest_matrix(path: str = _RESULTS_JSONL) -> dict | None:
+  """The newest whole-matrix record (kind "matrix") of a kernel_ptx.jsonl; None when none."""
+  newest = None
+  if os.path.exists(path):
+    with open(path) as fh:
+      for line in fh:
+        rec = json.loads(line)
+        if rec.get("kind") == "matrix":
+          newest = rec
+  return newest
+
+
+def unmeasured(cfgs: list[Config], path: str = _RESULTS_JSONL) -> list[str]:
+  """What the newest matrix in `path` does not vouch for among `cfgs`: a configuration whose
+  kernel, lowered today, is not the kernel that matrix compiled (another key: the kernel or its
+  tiles changed since), or whose compile there did not pass. [] when the committed figures and
+  WORKSPACE.md's table are today's kernel's; otherwise re-run `python -m experiments.kernel_ptx
+  --write_table`. Lowering needs no GPU and no triton (~0.2 s a configuration)."""
+  rec = newest_matrix(path)
+  if rec is None:
+    return [f"no whole-matrix record in {path}"]
+  rows = {}
+  for r in rec["rows"]:
+    rows.setdefault(r["label"], []).append(r)
+  problems = []
+  for cfg in cfgs:
+    measured = rows.get(cfg.label)
+    if not measured:
+      problems.append(f"{cfg.label}: not in the matrix")
+      continue
+    keys = {kernel_key(k) for k in lower(cfg)}
+    for r in measured:
+      if r.get("key") not in keys:
+        problems.append(f"{cfg.label} sm_{r['arch']}: today's kernel {sorted(keys)} is not the "
+                        f"one measured ({r.get('key')})")
+      elif not r["pass"]:
+        problems.append(f"{cfg.label} sm_{r['arch']}: measured, and failed: {r['problems']}")
+  return problems
+
+
 def estimate(dtype: str, precision: str, head_dim: int, page_size: int, mode: str, group: int,
              features: str = "plain", arch: int = 90,
-             path: str = os.path.join(output.RESULTS, "kernel_ptx.jsonl")) -> dict | None:
+             path: str = _RESULTS_JSONL) -> dict | None:
   """The CPU-side PTX figures (registers, spills, programs per SM) of the matrix configuration
   nearest to a call, from the newest whole-matrix run in `path`; None when there is none. The
   nearest: same dtype, precision, head_dim, mode, features and arch; the closest page size and
   group. attention_bench prints it beside a GPU timing."""
-  if not os.path.exists(path):
-    return None
-  rows = None
-  with open(path) as fh:
-    for line in fh:
-      rec = json.loads(line)
-      if rec.get("kind") == "matrix":
-        rows = rec["rows"]
+  rec = newest_matrix(path)
+  rows = rec["rows"] if rec else None
   if dtype == "bfloat16":
     precision = "highest"
   near = [r for r in rows or () if (r["dtype"], r["precision"], r["head_dim"], r["mode"],

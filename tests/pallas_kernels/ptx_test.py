@@ -10,6 +10,7 @@ import os
 import tempfile
 
 from absl.testing import absltest, parameterized
+import jax
 import jax.numpy as jnp
 
 from experiments import kernel_ptx
@@ -113,6 +114,58 @@ class MatrixTest(absltest.TestCase):
     [tf32] = kernel_ptx.lower(kernel_ptx.Config("float32", "default", 128, 16, "prefill", 4,
                                                 "window+cap"))
     self.assertNotEqual(tf32.ttir, kernel.ttir)
+
+  def _sample(self):
+    """Three configurations per (dtype, precision, head_dim) of the matrix, so that every branch
+    of default_tiles and each page size, mode, group and feature set is lowered (60 in all)."""
+    rec = kernel_ptx.newest_matrix()
+    combos = sorted({(r["dtype"], r["precision"], r["head_dim"]) for r in rec["rows"]})
+    shapes = [(1, "decode", 1, "plain"), (16, "mixed", 4, "window+cap"),
+              (64, "prefill", 8, "plain")]
+    return [kernel_ptx.Config(*combo, *shape) for combo in combos for shape in shapes]
+
+  def test_the_committed_matrix_compiled_todays_kernels(self):
+    # WORKSPACE.md's kernel-resources table and default_tiles' choices stand on the newest
+    # matrix in experiments/results/kernel_ptx.jsonl: every configuration there compiled
+    # without a spill. This asserts those rows are today's kernels (same Triton IR, warps and
+    # stages), so a change to the kernel or its tiles fails here until the matrix is re-run.
+    rec = kernel_ptx.newest_matrix()
+    self.assertIsNotNone(rec, "no whole-matrix record in experiments/results/kernel_ptx.jsonl")
+    if rec["jax"] != jax.__version__:
+      self.skipTest(f"the committed matrix was lowered by jax {rec['jax']}, this is "
+                    f"{jax.__version__}: another JAX's Triton IR differs, so its keys cannot match; "
+                    f"the Python 3.11 run checks it")
+    cfgs = self._sample()
+    self.assertLen(cfgs, 60)
+    self.assertEqual(kernel_ptx.unmeasured(cfgs), [],
+                     "re-run `python -m experiments.kernel_ptx --write_table` (a CI stage: "
+                     "PTX_RESULTS_DIR=experiments/results bash .ci/run)")
+
+  def test_unmeasured_names_a_changed_kernel(self):
+    # The check bites: the same configuration with other tiles, or a row that failed, or one
+    # the matrix lacks, is reported by name.
+    rec = kernel_ptx.newest_matrix()
+    cfg = kernel_ptx.Config("float32", "tf32x3", 256, 16, "mixed", 8, "plain")
+    [row] = [r for r in rec["rows"] if r["label"] == cfg.label and r["arch"] == 90]
+    tmp = tempfile.TemporaryDirectory()
+    self.addCleanup(tmp.cleanup)
+    path = os.path.join(tmp.name, "kernel_ptx.jsonl")
+    [today] = kernel_ptx.lower(cfg)
+    other = dict(row, key="0" * 12)
+    failed = dict(row, key=kernel_ptx.kernel_key(today), **{"pass": False},
+                  problems=["spills 12/12 B"])
+    with open(path, "w") as fh:
+      fh.write(json.dumps(dict(kind="matrix", rows=[other])) + "\n")
+    [why] = kernel_ptx.unmeasured([cfg], path)
+    self.assertIn(f"{cfg.label} sm_90: today's kernel ['{kernel_ptx.kernel_key(today)}']", why)
+    with open(path, "a") as fh:   # the newest record wins
+      fh.write(json.dumps(dict(kind="matrix", rows=[failed])) + "\n")
+    [why] = kernel_ptx.unmeasured([cfg], path)
+    self.assertIn("measured, and failed: ['spills 12/12 B']", why)
+    g1 = kernel_ptx.Config("float32", "tf32x3", 256, 16, "mixed", 1, "plain")
+    self.assertEqual(kernel_ptx.unmeasured([g1], path), [f"{g1.label}: not in the matrix"])
+    self.assertEqual(kernel_ptx.unmeasured([cfg], os.path.join(tmp.name, "none.jsonl")),
+                     [f"no whole-matrix record in {os.path.join(tmp.name, 'none.jsonl')}"])
 
   def _tempfile(self, content):
     tmp = tempfile.TemporaryDirectory()
