@@ -6,6 +6,7 @@ slot past a sequence's length with NaN, and shuffles the block tables.
 
 import functools
 import itertools
+import re
 
 from absl.testing import absltest, parameterized
 import chex
@@ -228,6 +229,46 @@ class KernelLoweringTest(parameterized.TestCase):
     text = triton_ir.lower_for_cuda(f, *args).as_text()
     self.assertIn("ragged_paged_attention", text)
     self.assertIn("triton", text.lower())
+
+  _DOT = re.compile(r"tt\.dot [^:]*?(?:, inputPrecision = (\w+))? : tensor<(\d+)x(\d+)x(\w+)> \* "
+                    r"tensor<(\d+)x(\d+)x(\w+)> -> tensor<(\d+)x(\d+)xf32>")
+
+  @parameterized.parameters(
+      # dtype, precision, head_dim, max_q_len, group -> tt.dot's inputPrecision (None: IEEE f32,
+      # or bf16 operands). The GPU branch of _dot: interpret mode never reaches it.
+      (jnp.float32, "highest", 64, 1, 1, None),
+      (jnp.float32, "default", 80, 16, 4, "tf32"),
+      (jnp.float32, "tf32x3", 128, 1, 8, "tf32x3"),
+      (jnp.bfloat16, "default", 96, 16, 1, None),
+      (jnp.bfloat16, "tf32x3", 256, 1, 4, None),
+  )
+  def test_each_precision_lowers_to_its_dots_on_the_planned_tiles(
+      self, dtype, precision, head_dim, max_q_len, group, input_precision):
+    num_seqs, num_kv_heads, page_size, pages_per_seq = 4, 2, 16, 16
+    shape = lambda *s, d=dtype: jax.ShapeDtypeStruct(s, d)
+    pages = shape(64, page_size, num_kv_heads, head_dim)
+    args = (shape(num_seqs * max_q_len, num_kv_heads * group, head_dim), pages, pages,
+            shape(num_seqs, pages_per_seq, d=jnp.int32), shape(num_seqs, d=jnp.int32),
+            shape(num_seqs + 1, d=jnp.int32))
+    f = functools.partial(kernel_triton.paged_attention, max_q_len=max_q_len, precision=precision)
+    [kernel] = triton_ir.triton_kernels(triton_ir.lower_for_cuda(f, *args))
+    p = kernel_triton.plan(num_seqs, num_kv_heads, group, max_q_len, pages_per_seq, page_size,
+                           kernel_triton.BlockSizes(), head_dim=head_dim, dtype=dtype,
+                           precision=precision)
+    self.assertEqual((kernel.num_warps, kernel.num_stages), (p.num_warps, p.num_stages))
+    self.assertEqual(kernel.grid, (num_seqs, num_kv_heads, p.num_row_blocks * p.num_splits))
+    dots = self._DOT.findall(kernel.ttir)
+    self.assertEqual(len(dots), kernel.ttir.count("tt.dot "))   # the pattern read every dot
+    operand = "bf16" if dtype == jnp.bfloat16 else "f32"
+    rows, keys = p.block_rows, p.block_tokens
+    # Q K^T per head_dim chunk ([rows, size] x [size, keys]), then P V per chunk ([rows, keys] x
+    # [keys, size]): the chunks tile head_dim, every dot at the one precision.
+    expected = ([(input_precision or "", str(rows), str(size), operand, str(size), str(keys),
+                  operand, str(rows), str(keys)) for _, size in p.chunks] +
+                [(input_precision or "", str(rows), str(keys), operand, str(keys), str(size),
+                  operand, str(rows), str(size)) for _, size in p.chunks])
+    self.assertCountEqual(dots, expected)
+    self.assertEqual(sum(size for _, size in p.chunks), head_dim)
 
 
 class DispatchTest(absltest.TestCase):
