@@ -315,6 +315,14 @@ EQUIVALENT: dict[str, str] = {
 }
 
 
+# Mutants only a GPU can tell from the original (the kernel's compiled path, which the CPU runs
+# in interpret mode or only lowers), with why: not equivalent, but beyond any CPU test. `score`
+# leaves them out like the equivalent ones and also reports the score counting them as
+# survivors; experiments/gpu_check.sh runs the kernel tests compiled on a GPU, which would see them.
+GPU_ONLY: dict[str, str] = {
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class MutationConfig:
   modules: tuple[str, ...] = ("block_manager",)
@@ -389,15 +397,19 @@ def compile_cache_env(cache_dir: str, base: dict | None = None) -> dict:
 
 
 def score(stats: dict, survivors: list[str]) -> dict:
-  """Counts and score from mutmut's cicd stats. Survivors listed in EQUIVALENT leave the total;
-  a mutant no test reaches counts as not killed."""
+  """Counts and score from mutmut's cicd stats. Survivors listed in EQUIVALENT leave the total,
+  and so do those in GPU_ONLY for `score` (what the CPU can test); `score_gpu_only_as_survivors`
+  counts the GPU_ONLY ones as survivors. A mutant no test reaches counts as not killed."""
   equivalent = [s for s in survivors if s in EQUIVALENT]
+  gpu_only = [s for s in survivors if s in GPU_ONLY and s not in EQUIVALENT]
   killed = stats["killed"] + stats.get("timeout", 0)
   judged = stats["total"] - stats.get("skipped", 0) - len(equivalent)
-  return dict(killed=killed, survived=stats["survived"] - len(equivalent),
-              equivalent=len(equivalent), timeout=stats.get("timeout", 0),
-              no_tests=stats.get("no_tests", 0), total=stats["total"],
-              score=killed / judged if judged else None)
+  return dict(killed=killed, survived=stats["survived"] - len(equivalent) - len(gpu_only),
+              equivalent=len(equivalent), gpu_only=len(gpu_only),
+              timeout=stats.get("timeout", 0), no_tests=stats.get("no_tests", 0),
+              total=stats["total"],
+              score=killed / (judged - len(gpu_only)) if judged - len(gpu_only) else None,
+              score_gpu_only_as_survivors=killed / judged if judged else None)
 
 
 def _with_status(results: str, status: str) -> list[str]:
@@ -439,10 +451,14 @@ def run_module(name: str, cfg: MutationConfig, repo: str) -> dict:
 def format_result(r: dict) -> str:
   s = "-" if r["score"] is None else f"{r['score']:.1%}"
   lines = [f"{r['module']:14s} {r['file']}: killed {r['killed']} (timeouts {r['timeout']}), "
-           f"survived {r['survived']}, equivalent {r['equivalent']}, no tests {r['no_tests']}, "
+           f"survived {r['survived']}, equivalent {r['equivalent']}, "
+           f"GPU-only {r.get('gpu_only', 0)}, no tests {r['no_tests']}, "
            f"total {r['total']}; score {s} ({r['seconds'] / 60:.1f} min)"]
-  lines += [f"  {'equivalent' if name in EQUIVALENT else 'survivor'} {name}"
-            for name in r["survivors"]]
+  if r.get("gpu_only"):
+    lines[0] += f"; {r['score_gpu_only_as_survivors']:.1%} with the GPU-only ones as survivors"
+  kind = lambda name: ("equivalent" if name in EQUIVALENT else
+                       "GPU-only" if name in GPU_ONLY else "survivor")
+  lines += [f"  {kind(name)} {name}" for name in r["survivors"]]
   lines += [f"  no tests {name}" for name in r.get("untested", [])]
   return "\n".join(lines)
 

@@ -97,6 +97,17 @@ class ExperimentsTest(absltest.TestCase):
       r = mutation_score.score(stats, ["m.x__mutmut_1", "m.x__mutmut_2"])
     self.assertEqual((r["survived"], r["equivalent"]), (5, 1))
     self.assertAlmostEqual(r["score"], 90 / 99)
+    with mock.patch.dict(mutation_score.EQUIVALENT, {"m.x__mutmut_2": "same value"}), \
+         mock.patch.dict(mutation_score.GPU_ONLY, {"m.x__mutmut_1": "a GPU read"}):
+      r = mutation_score.score(stats, ["m.x__mutmut_1", "m.x__mutmut_2"])
+      text = mutation_score.format_result(dict(r, module="m", file="m.py", seconds=60,
+                                               survivors=["m.x__mutmut_1", "m.x__mutmut_2"]))
+    self.assertEqual((r["survived"], r["equivalent"], r["gpu_only"]), (4, 1, 1))
+    self.assertAlmostEqual(r["score"], 90 / 98)            # what the CPU can test
+    self.assertAlmostEqual(r["score_gpu_only_as_survivors"], 90 / 99)
+    self.assertIn("GPU-only 1,", text)
+    self.assertIn("score 91.8% (1.0 min); 90.9% with the GPU-only ones as survivors", text)
+    self.assertIn("  GPU-only m.x__mutmut_1\n  equivalent m.x__mutmut_2", text)
     with self.assertRaisesRegex(ValueError, "module 'nope'"):
       mutation_score.run_module("nope", mutation_score.MutationConfig(), ".")
     results = ("    m.x__mutmut_1: killed\n    m.x__mutmut_2: survived\n"
