@@ -58,6 +58,7 @@ _SAMPLING = "paged_jax.sampling.x_"
 _PAGE_OPS = "paged_jax.page_ops.x_"
 _REF = "pallas_kernels.paged_attention.reference.x_"
 _ATT = "paged_jax.attention.x_"
+_KER = "pallas_kernels.paged_attention.kernel_triton.x_"
 EQUIVALENT: dict[str, str] = {
     # block_manager.py
     f"{_BM}stats__mutmut_21":
@@ -312,6 +313,38 @@ EQUIVALENT: dict[str, str] = {
         "lens / page_size for lens // page_size in the live-page bound -(-lens // page_size): "
         "page j is live when j < ceil(lens / page_size), and for an integer j that is j < "
         "lens / page_size",
+    # kernel_triton.py
+    **{f"{_KER}_dot__mutmut_{n}": "precision None for HIGHEST in interpret mode's emulated TF32 "
+       "dots (42, 45: hi x hi; 54, 57, 62, 65: the tf32x3 cross terms): their operands are "
+       "rounded to TF32 already and XLA's CPU dot is exact f32 at any precision, and interpret "
+       "mode runs on the CPU" for n in (42, 45, 54, 57, 62, 65)},
+    **{f"{_KER}_kernel__mutmut_{n}": "arange's dtype None or left out: JAX's default int32"
+       for n in (18, 20)},
+    f"{_KER}_kernel__mutmut_24":
+        "rows / group for rows // group: qi gains a fraction in [0, 1), and every use compares "
+        "it with integers (qi < q_len, tok <= q_pos, q_pos - tok < window), which a fraction "
+        "below 1 cannot flip (f32 holds those positions exactly below 2^21)",
+    f"{_KER}_kernel__mutmut_26":
+        "row_valid with | for &: the rows it adds are padding rows (past block_q x group, or "
+        "past q_len), whose outputs the wrapper's unrows drops",
+    f"{_KER}default_tiles__mutmut_1":
+        "group's default 2 for 1: plan always passes the group, and the default only matters "
+        "to tf32x3 at head_dim 256, where 1 and 2 are both below 8",
+    f"{_KER}default_tiles__mutmut_8":
+        "head_dim & (head_dim - 2) for & (head_dim - 1): the same for an even head_dim, and the "
+        "kernel takes multiples of 16 only",
+    **{f"{_KER}default_tiles__mutmut_{n}": "a head_dim bound 128 moved to 129 (14, 31) or 128 "
+       "to < 128 where 128 never arrives (30: a power of two takes the branch above): no "
+       "multiple of 16 lies between" for n in (14, 30, 31)},
+    f"{_KER}default_tiles__mutmut_17":
+        "num_warps None in the bf16 branch of 4 warps: plan passes None on, and Pallas' Triton "
+        "default is 4 warps (the same kernel: the committed matrix's key matches)",
+    **{f"{_KER}default_tiles__mutmut_{n}": "max_chunk None or left out for bf16 head_dim 80 / "
+       "96 (/ 112): their power-of-two parts are at most 64 already, so the chunks are the same"
+       for n in (36, 41)},
+    f"{_KER}_next_pow2__mutmut_7":
+        "max(1, ...) for max(0, ...): only _next_pow2(1) changes (2 for 1), and every caller "
+        "either takes max(16, ...) of it or calls it with max_q_len > 1",
 }
 
 
@@ -320,6 +353,9 @@ EQUIVALENT: dict[str, str] = {
 # leaves them out like the equivalent ones and also reports the score counting them as
 # survivors; experiments/gpu_check.sh runs the kernel tests compiled on a GPU, which would see them.
 GPU_ONLY: dict[str, str] = {
+    f"{_KER}_kernel__mutmut_9":
+        "q_len read from meta_ref[2] of the (2,) meta block: interpret mode clamps the index "
+        "to 1 (the same q_len); compiled, it reads past the block (the next sequence's kv_len)",
 }
 
 

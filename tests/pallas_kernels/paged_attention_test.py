@@ -354,6 +354,30 @@ class DispatchTest(absltest.TestCase):
                            (tiles.block_tokens, tiles.num_warps, tiles.num_stages))
           self.assertEqual(sum(size for _, size in p.chunks), head_dim)
 
+  def test_rows_per_program_and_defaults_of_plan(self):
+    # A program's rows: block_q queries x the group, padded to a power of two >= 16 (17, 33:
+    # one past a power of two, where a next-power-of-two slip shows).
+    for block_q, group, rows in ((1, 1, 16), (4, 4, 16), (17, 1, 32), (5, 4, 32), (33, 1, 64),
+                                 (16, 4, 64)):
+      p = kernel_triton.plan(2, 1, group, 40, 8, 16, kernel_triton.BlockSizes(block_q=block_q),
+                             head_dim=64, dtype=jnp.float32)
+      self.assertEqual((p.block_q, p.block_rows, p.num_row_blocks),
+                       (block_q, rows, -(-40 // block_q)), (block_q, group))
+    # Left out, precision is "highest" (it matters for f32 only) and head_dim 128.
+    plan = functools.partial(kernel_triton.plan, 2, 1, 4, 40, 8, 16, kernel_triton.BlockSizes())
+    self.assertEqual(plan(dtype=jnp.float32), plan(dtype=jnp.float32, precision="highest"))
+    self.assertNotEqual(plan(dtype=jnp.float32), plan(dtype=jnp.float32, precision="tf32x3"))
+    self.assertEqual(plan(), plan(dtype=jnp.bfloat16, head_dim=128))
+
+  def test_odd_block_q_runs_exactly(self):
+    # 17 queries per program (rows padded to 32), over a 40-token prompt and a decode row.
+    inp = testing.random_paged_inputs(4, [40, 12], q_lens=[40, 1], page_size=4, num_kv_heads=1,
+                                      q_per_kv=1, head_dim=16)
+    out = kernel_triton.paged_attention(*inp, max_q_len=40, interpret=True,
+                                        block_sizes=kernel_triton.BlockSizes(block_q=17))
+    np.testing.assert_allclose(np.asarray(out, np.float64), testing.naive_paged_attention(*inp),
+                               **TOL[jnp.float32])
+
   def test_splits_follow_the_work_size(self):
     plan = functools.partial(kernel_triton.plan, num_kv_heads=8, group=4, max_q_len=1,
                              page_size=16, block_sizes=kernel_triton.BlockSizes())
