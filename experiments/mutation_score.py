@@ -342,6 +342,13 @@ EQUIVALENT: dict[str, str] = {
     **{f"{_KER}default_tiles__mutmut_{n}": "max_chunk None or left out for bf16 head_dim 80 / "
        "96 (/ 112): their power-of-two parts are at most 64 already, so the chunks are the same"
        for n in (36, 41)},
+    f"{_KER}default_tiles__mutmut_89":
+        "head_dim <= 65 for <= 64: no multiple of 16 between",
+    f"{_KER}default_tiles__mutmut_92":
+        "num_warps None in the f32 \"default\" branch of 4 warps: Pallas' Triton default is 4",
+    f"{_KER}head_dim_chunks__mutmut_9":
+        "max_chunk & (max_chunk - 2) for & (max_chunk - 1): the same for an even value, an odd "
+        "one is refused either way, and values below 16 are refused first",
     f"{_KER}_next_pow2__mutmut_7":
         "max(1, ...) for max(0, ...): only _next_pow2(1) changes (2 for 1), and every caller "
         "either takes max(16, ...) of it or calls it with max_q_len > 1",

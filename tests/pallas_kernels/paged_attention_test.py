@@ -363,6 +363,35 @@ class DispatchTest(absltest.TestCase):
                              head_dim=64, dtype=jnp.float32)
       self.assertEqual((p.block_q, p.block_rows, p.num_row_blocks),
                        (block_q, rows, -(-40 // block_q)), (block_q, group))
+    # Queries per program when not given: 1 for decode, else max_q_len's next power of two,
+    # capped by the tiles' rows over the group (f32 "highest": 16 rows), never below 1.
+    for max_q_len, group, block_q in ((1, 1, 1), (1, 8, 1), (2, 1, 2), (3, 1, 4), (9, 1, 16),
+                                      (40, 1, 16), (40, 4, 4), (40, 16, 1)):
+      p = kernel_triton.plan(2, 1, group, max_q_len, 8, 16, kernel_triton.BlockSizes(),
+                             head_dim=64, dtype=jnp.float32)
+      self.assertEqual((p.block_q, p.block_rows), (block_q, max(16, block_q * group)),
+                       (max_q_len, group))
+    # Keys per step: pages_per_block x page_size (at least 16), or the tiles' block_tokens; a
+    # step's pages, the splits' pages and the padded table width follow from it.
+    for ppb, page_size, max_pages, tokens, step_pages in ((4, 16, 8, 64, 4), (2, 4, 8, 16, 4),
+                                                          (None, 16, 8, 16, 1),
+                                                          (None, 4, 8, 16, 4)):
+      p = kernel_triton.plan(1, 1, 1, 1, max_pages, page_size,
+                             kernel_triton.BlockSizes(pages_per_block=ppb, num_splits=2),
+                             head_dim=64, dtype=jnp.float32)
+      blocks = -(-max_pages // step_pages)
+      self.assertEqual((p.block_tokens, p.pages_per_block, p.num_splits, p.pages_per_split,
+                        p.table_width),
+                       (tokens, step_pages, 2, -(-blocks // 2) * step_pages,
+                        2 * (-(-blocks // 2) * step_pages) + step_pages), (ppb, page_size))
+    # A one-page sequence has one block of keys: one split, however many programs are wanted.
+    one = kernel_triton.plan(1, 1, 1, 1, 1, 16, kernel_triton.BlockSizes(), head_dim=64,
+                             dtype=jnp.float32)
+    self.assertEqual((one.num_splits, one.pages_per_split), (1, 1))
+    # Splits fill ~target_programs programs: seqs x KV heads x row blocks of them before splits.
+    p = kernel_triton.plan(2, 2, 1, 40, 64, 16, kernel_triton.BlockSizes(target_programs=24),
+                           head_dim=64, dtype=jnp.float32)
+    self.assertEqual((p.num_row_blocks, p.num_splits), (3, 2))    # 2 x 2 x 3 = 12 programs
     # Left out, precision is "highest" (it matters for f32 only) and head_dim 128.
     plan = functools.partial(kernel_triton.plan, 2, 1, 4, 40, 8, 16, kernel_triton.BlockSizes())
     self.assertEqual(plan(dtype=jnp.float32), plan(dtype=jnp.float32, precision="highest"))
