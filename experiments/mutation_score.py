@@ -324,9 +324,13 @@ EQUIVALENT: dict[str, str] = {
         "rows / group for rows // group: qi gains a fraction in [0, 1), and every use compares "
         "it with integers (qi < q_len, tok <= q_pos, q_pos - tok < window), which a fraction "
         "below 1 cannot flip (f32 holds those positions exactly below 2^21)",
-    f"{_KER}_kernel__mutmut_26":
-        "row_valid with | for &: the rows it adds are padding rows (past block_q x group, or "
-        "past q_len), whose outputs the wrapper's unrows drops",
+    **{f"{_KER}_kernel__mutmut_{n}": "row_valid widened (26: | for &; 27: rows <= block_q x "
+       "group; 29: qi <= q_len): the rows it adds are padding rows (past block_q x group, or past "
+       "q_len), whose outputs the wrapper's unrows drops" for n in (26, 27, 29)},
+    **{f"{_KER}_kernel__mutmut_{n}": "the program's key range widened (36: last_q + 1; 50: "
+       "+ q_len; 51: + 2 in hi_tok; 61: the window's first key 2 earlier; 63: - first_q): the "
+       "keys it adds are masked by causality, the window or kv_len, so only the work grows "
+       "(no output can tell; a GPU timing would)" for n in (36, 50, 51, 61, 63)},
     f"{_KER}default_tiles__mutmut_1":
         "group's default 2 for 1: plan always passes the group, and the default only matters "
         "to tf32x3 at head_dim 256, where 1 and 2 are both below 8",
@@ -342,10 +346,16 @@ EQUIVALENT: dict[str, str] = {
     **{f"{_KER}default_tiles__mutmut_{n}": "max_chunk None or left out for bf16 head_dim 80 / "
        "96 (/ 112): their power-of-two parts are at most 64 already, so the chunks are the same"
        for n in (36, 41)},
-    f"{_KER}default_tiles__mutmut_89":
-        "head_dim <= 65 for <= 64: no multiple of 16 between",
-    f"{_KER}default_tiles__mutmut_92":
-        "num_warps None in the f32 \"default\" branch of 4 warps: Pallas' Triton default is 4",
+    **{f"{_KER}default_tiles__mutmut_{n}": "a head_dim bound moved up by one (89: 64 -> 65, "
+       "154: 96 -> 97, 122 and 171: 128 -> 129): no multiple of 16 between"
+       for n in (89, 122, 154, 171)},
+    **{f"{_KER}default_tiles__mutmut_{n}": "num_warps None in a branch of 4 warps (92: f32 "
+       "\"default\" up to head_dim 64; 189: tf32x3 head_dim 256): Pallas' Triton default is 4"
+       for n in (92, 189)},
+    **{f"{_KER}default_tiles__mutmut_{n}": "max_chunk None or left out for f32 \"default\" up "
+       "to head_dim 64: its one power-of-two part is at most 64 already" for n in (94, 99)},
+    f"{_KER}plan__mutmut_16":
+        "decode's block_q 1 left to the general rule: max(1, min(_next_pow2(1), ...)) is 1",
     f"{_KER}head_dim_chunks__mutmut_9":
         "max_chunk & (max_chunk - 2) for & (max_chunk - 1): the same for an even value, an odd "
         "one is refused either way, and values below 16 are refused first",

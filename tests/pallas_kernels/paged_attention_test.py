@@ -172,6 +172,19 @@ class KernelEdgeMatrixTest(parameterized.TestCase):
     np.testing.assert_allclose(np.asarray(out, np.float64), oracle, **TOL[jnp.float32])
 
 
+  @parameterized.parameters(2, 9, 40)
+  def test_one_token_pages_with_a_window(self, window):
+    # Page size 1: a page is a key, so the first page a window needs is its first key; windows
+    # that start inside the sequence (2), and that reach key 0 (9 for the 9-token rows, 40).
+    seq_lens, q_lens = [9, 9, 12, 3], [9, 1, 4, 3]
+    inp = testing.random_paged_inputs(window, seq_lens, q_lens=q_lens, page_size=1,
+                                      num_kv_heads=1, q_per_kv=2, head_dim=16, pad_tokens=1)
+    kw = dict(sliding_window=window, scale=0.3)
+    out = kernel_triton.paged_attention(*inp, max_q_len=9, interpret=True, **kw)
+    np.testing.assert_allclose(np.asarray(out, np.float64), testing.naive_paged_attention(*inp, **kw),
+                               **TOL[jnp.float32])
+
+
 class PrecisionTest(parameterized.TestCase):
   """Each precision's error against the float64 oracle (interpret mode emulates TF32 rounding),
   within what kernel_triton.PRECISIONS promises, and the TF32 settings really round."""
