@@ -351,6 +351,15 @@ class DispatchTest(absltest.TestCase):
       kernel_triton.BlockSizes(pages_per_block=2, block_tokens=32)
     with self.assertRaisesRegex(ValueError, "max_chunk=48 must be a power of two"):
       kernel_triton.BlockSizes(max_chunk=48)
+    # The smallest values accepted: 1 page per step (2^0), one split, 16-wide slices.
+    one_page = kernel_triton.BlockSizes(pages_per_block=1, num_splits=1, max_chunk=16)
+    p = kernel_triton.plan(1, 1, 1, 1, 4, 16, one_page, head_dim=64, dtype=jnp.float32)
+    self.assertEqual((p.pages_per_block, p.block_tokens, p.num_splits, p.chunks),
+                     (1, 16, 1, ((0, 16), (16, 16), (32, 16), (48, 16))))
+    # A given max_chunk wins over the tiles' (bf16's 64).
+    p = kernel_triton.plan(1, 1, 1, 1, 4, 16, kernel_triton.BlockSizes(max_chunk=32),
+                           head_dim=128, dtype=jnp.bfloat16)
+    self.assertEqual(p.chunks, ((0, 32), (32, 32), (64, 32), (96, 32)))
 
   def test_default_tiles_are_valid_and_planned(self):
     for dtype in (jnp.bfloat16, jnp.float32):
