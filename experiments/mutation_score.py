@@ -319,7 +319,11 @@ EQUIVALENT: dict[str, str] = {
        "rounded to TF32 already and XLA's CPU dot is exact f32 at any precision, and interpret "
        "mode runs on the CPU" for n in (42, 45, 54, 57, 62, 65)},
     **{f"{_KER}_kernel__mutmut_{n}": "arange's dtype None or left out: JAX's default int32"
-       for n in (18, 20)},
+       for n in (18, 20, 114, 116)},
+    **{f"{_KER}_kernel__mutmut_{n}": "more inner steps than needed (82: hi_page one page more "
+       "past the causal bound; 90: at least one step; 92: + 1; 94: hi_page + lo_page): every "
+       "key they add lies past hi_page, past kv_len or after the block's last query, so it is "
+       "masked (p = 0, V zeroed) and only the work grows" for n in (82, 90, 92, 94)},
     f"{_KER}_kernel__mutmut_24":
         "rows / group for rows // group: qi gains a fraction in [0, 1), and every use compares "
         "it with integers (qi < q_len, tok <= q_pos, q_pos - tok < window), which a fraction "

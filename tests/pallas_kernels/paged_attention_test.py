@@ -233,6 +233,22 @@ class PrecisionTest(parameterized.TestCase):
     self.assertEqual(out.dtype, jnp.bfloat16)
     np.testing.assert_allclose(np.asarray(out, np.float64), oracle, atol=0.01, rtol=0)
 
+  def test_each_row_shifts_by_its_own_max(self):
+    # Two heads of one KV head share a program's rows: every key leans on dim 0 and the heads
+    # point opposite ways, so head 0's scores sit near +75 and head 1's near -75. One max
+    # shared by the rows would leave head 1's exp(-150) = 0 in f32 (0 / 0); each row's own max
+    # keeps both exact.
+    q, k_pages, v_pages, tables, lens, cu = testing.random_paged_inputs(
+        6, [37, 5], page_size=4, num_kv_heads=1, q_per_kv=2, head_dim=16)
+    lean = np.zeros(16, np.float32)
+    lean[0] = 10.0
+    q = np.asarray(q) * 0.3
+    q[:, 0, 0], q[:, 1, 0] = 30.0, -30.0
+    inp = (jnp.asarray(q), jnp.asarray(np.asarray(k_pages) + lean), v_pages, tables, lens, cu)
+    out = kernel_triton.paged_attention(*inp, max_q_len=1, interpret=True)
+    np.testing.assert_allclose(np.asarray(out, np.float64), testing.naive_paged_attention(*inp),
+                               **TOL[jnp.float32])
+
   def test_unknown_precision_is_a_clear_error(self):
     inp = testing.random_paged_inputs(0, [5], page_size=4, head_dim=16)
     with self.assertRaisesRegex(ValueError, r"precision='tf32' is not one of \('highest'"):
