@@ -320,6 +320,14 @@ EQUIVALENT: dict[str, str] = {
        "mode runs on the CPU" for n in (42, 45, 54, 57, 62, 65)},
     **{f"{_KER}_kernel__mutmut_{n}": "arange's dtype None or left out: JAX's default int32"
        for n in (18, 20, 114, 116)},
+    **{f"{_KER}_kernel__mutmut_{n}": "the f32 dtype of the loop's initial m, l or u left to "
+       "JAX's default (None or left out): float32" for n in (255, 258, 261, 263, 266, 268)},
+    f"{_KER}_kernel__mutmut_197":
+        "m_safe's stand-in 1.0 for 0.0 where no key is visible yet: any finite value gives "
+        "exp(-inf - value) = 0 for alpha and p",
+    f"{_KER}_kernel__mutmut_233":
+        "masked V set to 1 instead of 0: its p is exactly 0, and 0 x 1 = 0 (the mask is there "
+        "for NaN, which any finite value removes)",
     **{f"{_KER}_kernel__mutmut_{n}": "more inner steps than needed (82: hi_page one page more "
        "past the causal bound; 90: at least one step; 92: + 1; 94: hi_page + lo_page): every "
        "key they add lies past hi_page, past kv_len or after the block's last query, so it is "
