@@ -11,7 +11,9 @@ mutates that one file and runs only the tests that exercise it (MODULES below), 
 to --out, per module: killed, survived, timed out, no tests, total, and the score
 killed / (total - equivalent) (a mutant no test reaches is not killed), with the surviving
 mutants' names and diffs (so a survivor can be judged: a missing test, or an equivalent mutant to
-list in EQUIVALENT with its reason). Timeouts count as killed (mutmut's convention: the mutant made the tests hang).
+list in EQUIVALENT with its reason). Timeouts and crashes (exit -9 / -11: mutmut SIGKILLs a
+worker past its CPU limit) count as killed. Mutants only a GPU can tell apart (GPU_ONLY) leave the
+score too, which is also given counting them as survivors.
 """
 
 from __future__ import annotations
@@ -467,11 +469,14 @@ def score(stats: dict, survivors: list[str]) -> dict:
   counts the GPU_ONLY ones as survivors. A mutant no test reaches counts as not killed."""
   equivalent = [s for s in survivors if s in EQUIVALENT]
   gpu_only = [s for s in survivors if s in GPU_ONLY and s not in EQUIVALENT]
-  killed = stats["killed"] + stats.get("timeout", 0)
+  # A "segfault" is exit -9 or -11: mutmut SIGKILLs a worker one second after its CPU limit
+  # (the kernel's three were loops that never end), so like a timeout the mutant did not pass.
+  killed = stats["killed"] + stats.get("timeout", 0) + stats.get("segfault", 0)
   judged = stats["total"] - stats.get("skipped", 0) - len(equivalent)
   return dict(killed=killed, survived=stats["survived"] - len(equivalent) - len(gpu_only),
               equivalent=len(equivalent), gpu_only=len(gpu_only),
-              timeout=stats.get("timeout", 0), no_tests=stats.get("no_tests", 0),
+              timeout=stats.get("timeout", 0) + stats.get("segfault", 0),
+              no_tests=stats.get("no_tests", 0),
               total=stats["total"],
               score=killed / (judged - len(gpu_only)) if judged - len(gpu_only) else None,
               score_gpu_only_as_survivors=killed / judged if judged else None)

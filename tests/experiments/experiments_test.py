@@ -108,6 +108,8 @@ class ExperimentsTest(absltest.TestCase):
     self.assertIn("GPU-only 1,", text)
     self.assertIn("score 91.8% (1.0 min); 90.9% with the GPU-only ones as survivors", text)
     self.assertIn("  GPU-only m.x__mutmut_1\n  equivalent m.x__mutmut_2", text)
+    crashed = mutation_score.score(dict(stats, killed=77, segfault=3), [])
+    self.assertEqual((crashed["killed"], crashed["timeout"]), (90, 13))   # -9 / -11 count as kills
     with self.assertRaisesRegex(ValueError, "module 'nope'"):
       mutation_score.run_module("nope", mutation_score.MutationConfig(), ".")
     results = ("    m.x__mutmut_1: killed\n    m.x__mutmut_2: survived\n"

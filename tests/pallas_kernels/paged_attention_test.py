@@ -181,8 +181,8 @@ class KernelEdgeMatrixTest(parameterized.TestCase):
                                       num_kv_heads=1, q_per_kv=2, head_dim=16, pad_tokens=1)
     kw = dict(sliding_window=window, scale=0.3)
     out = kernel_triton.paged_attention(*inp, max_q_len=9, interpret=True, **kw)
-    np.testing.assert_allclose(np.asarray(out, np.float64), testing.naive_paged_attention(*inp, **kw),
-                               **TOL[jnp.float32])
+    oracle = testing.naive_paged_attention(*inp, **kw)
+    np.testing.assert_allclose(np.asarray(out, np.float64), oracle, **TOL[jnp.float32])
 
 
 class PrecisionTest(parameterized.TestCase):

@@ -133,8 +133,8 @@ class MatrixTest(absltest.TestCase):
     self.assertIsNotNone(rec, "no whole-matrix record in experiments/results/kernel_ptx.jsonl")
     if rec["jax"] != jax.__version__:
       self.skipTest(f"the committed matrix was lowered by jax {rec['jax']}, this is "
-                    f"{jax.__version__}: another JAX's Triton IR differs, so its keys cannot match; "
-                    f"the Python 3.11 run checks it")
+                    f"{jax.__version__}: another JAX's Triton IR differs, so its keys cannot "
+                    f"match; the Python 3.11 run checks it")
     cfgs = self._sample()
     self.assertLen(cfgs, 60)
     self.assertEqual(kernel_ptx.unmeasured(cfgs), [],
