@@ -171,7 +171,6 @@ class KernelEdgeMatrixTest(parameterized.TestCase):
     oracle = testing.naive_paged_attention(*inp, **kw)
     np.testing.assert_allclose(np.asarray(out, np.float64), oracle, **TOL[jnp.float32])
 
-
   @parameterized.parameters(2, 9, 40)
   def test_one_token_pages_with_a_window(self, window):
     # Page size 1: a page is a key, so the first page a window needs is its first key; windows
