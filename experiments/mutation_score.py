@@ -351,21 +351,19 @@ EQUIVALENT: dict[str, str] = {
     f"{_KER}default_tiles__mutmut_8":
         "head_dim & (head_dim - 2) for & (head_dim - 1): the same for an even head_dim, and the "
         "kernel takes multiples of 16 only",
-    **{f"{_KER}default_tiles__mutmut_{n}": "a head_dim bound 128 moved to 129 (14, 31) or 128 "
-       "to < 128 where 128 never arrives (30: a power of two takes the branch above): no "
-       "multiple of 16 lies between" for n in (14, 30, 31)},
-    f"{_KER}default_tiles__mutmut_17":
-        "num_warps None in the bf16 branch of 4 warps: plan passes None on, and Pallas' Triton "
-        "default is 4 warps (the same kernel: the committed matrix's key matches)",
+    f"{_KER}default_tiles__mutmut_30":
+        "bf16's second head_dim bound 128 made < 128: 128 never arrives there (a power of two "
+        "takes the branch above), and no multiple of 16 lies between",
     **{f"{_KER}default_tiles__mutmut_{n}": "max_chunk None or left out for bf16 head_dim 80 / "
        "96 (/ 112): their power-of-two parts are at most 64 already, so the chunks are the same"
        for n in (36, 41)},
     **{f"{_KER}default_tiles__mutmut_{n}": "a head_dim bound moved up by one (89: 64 -> 65, "
-       "154: 96 -> 97, 122 and 171: 128 -> 129): no multiple of 16 between"
-       for n in (89, 122, 154, 171)},
-    **{f"{_KER}default_tiles__mutmut_{n}": "num_warps None in a branch of 4 warps (92: f32 "
-       "\"default\" up to head_dim 64; 189: tf32x3 head_dim 256): Pallas' Triton default is 4"
-       for n in (92, 189)},
+       "154: 96 -> 97, 14, 31, 122 and 171: 128 -> 129): no multiple of 16 between"
+       for n in (14, 31, 89, 122, 154, 171)},
+    **{f"{_KER}default_tiles__mutmut_{n}": "num_warps None in a branch of 4 warps (17: bf16; "
+       "92: f32 \"default\" up to head_dim 64; 189: tf32x3 head_dim 256): plan passes None on "
+       "and Pallas' Triton default is 4 (the same kernel: the committed matrix's key matches)"
+       for n in (17, 92, 189)},
     **{f"{_KER}default_tiles__mutmut_{n}": "max_chunk None or left out for f32 \"default\" up "
        "to head_dim 64: its one power-of-two part is at most 64 already" for n in (94, 99)},
     f"{_KER}plan__mutmut_16":
