@@ -471,12 +471,13 @@ def score(stats: dict, survivors: list[str]) -> dict:
   # (the kernel's three were loops that never end), so like a timeout the mutant did not pass.
   killed = stats["killed"] + stats.get("timeout", 0) + stats.get("segfault", 0)
   judged = stats["total"] - stats.get("skipped", 0) - len(equivalent)
+  cpu_judged = judged - len(gpu_only)
   return dict(killed=killed, survived=stats["survived"] - len(equivalent) - len(gpu_only),
               equivalent=len(equivalent), gpu_only=len(gpu_only),
               timeout=stats.get("timeout", 0) + stats.get("segfault", 0),
               no_tests=stats.get("no_tests", 0),
               total=stats["total"],
-              score=killed / (judged - len(gpu_only)) if judged - len(gpu_only) else None,
+              score=killed / cpu_judged if cpu_judged else None,
               score_gpu_only_as_survivors=killed / judged if judged else None)
 
 
