@@ -51,6 +51,7 @@ WORKSPACE = os.path.join(ROOT, "WORKSPACE.md")
 TABLE_BEGIN, TABLE_END = "<!-- kernel-resources -->", "<!-- /kernel-resources -->"
 TRITON_VERSION = "3.9.0"
 
+_RESULTS_JSONL = os.path.join(output.RESULTS, "kernel_ptx.jsonl")
 MODES = {"decode": 1, "mixed": 16, "prefill": 256}   # mode -> max_q_len
 FEATURES = ("plain", "window+cap")
 
@@ -67,6 +68,12 @@ flags.DEFINE_string("triton_python", ".venv-ptx/bin/python",
 flags.DEFINE_string("keep", None, "Keep TTIR / PTX / cubin of every kernel in this directory.")
 flags.DEFINE_string("results_dir", output.RESULTS, "Where kernel_ptx.jsonl goes ('' for none).")
 flags.DEFINE_bool("write_table", False, "Rewrite the table in WORKSPACE.md.")
+flags.DEFINE_string("reuse", None, "Take the figures of kernels (same key, arch and triton) the "
+                    "newest whole-matrix record of this kernel_ptx.jsonl compiled and passed "
+                    "instead of compiling them again; the rest are compiled (CI: the committed "
+                    "experiments/results/kernel_ptx.jsonl).")
+flags.DEFINE_integer("spot_check", 0, "With --reuse: compile this many of the reused kernels "
+                     "anyway and fail where their figures differ from the reused ones.")
 flags.DEFINE_string("table_from", None, "Rewrite WORKSPACE.md's table from the newest whole-matrix "
                     "record of this kernel_ptx.jsonl (e.g. CI's PTX_RESULTS_DIR) without compiling.")
 flags.DEFINE_bool("errors", False, "Measure each precision's error in interpret mode instead.")
@@ -208,9 +215,42 @@ def kernel_key(kernel: triton_ir.TritonKernel) -> str:
                       ).hexdigest()[:12]
 
 
-def check(cfg_kernels, archs, triton_python, workdir) -> list[dict]:
-  """Compiles each distinct kernel once per arch; one row per (configuration, arch)."""
-  jobs, key_of, seen = [], {}, set()
+# What a compile gives (ptx_compile's result), and so what a reused row carries over.
+FIGURES = ("ok", "regs", "spill_stores", "spill_loads", "shared")
+
+
+def reusable(path: str = _RESULTS_JSONL, triton: str = TRITON_VERSION) -> dict:
+  """(kernel key, arch) -> the compiled figures of each passing row of the newest whole-matrix
+  record in `path`, when pip triton `triton` compiled it; {} otherwise. A kernel's key is its
+  Triton IR, warps and stages, so the same key compiled by the same triton gives the same
+  figures: `check` need not compile it again (CI lowers the whole matrix and compiles only the
+  kernels the committed matrix has not, plus a spot check of the rest)."""
+  rec = newest_matrix(path)
+  if rec is None or rec.get("triton") != triton:
+    return {}
+  return {(r["key"], r["arch"]): {k: r.get(k) for k in FIGURES}
+          for r in rec["rows"] if r.get("key") and r.get("pass")}
+
+
+def spot_sample(pairs, n: int) -> set:
+  """n of the (key, arch) pairs, evenly spread over their sorted order (the same n each run)."""
+  pairs = sorted(pairs)
+  if n <= 0 or not pairs:
+    return set()
+  step = max(len(pairs) / n, 1.0)
+  return {pairs[int(i * step)] for i in range(min(n, len(pairs)))}
+
+
+def check(cfg_kernels, archs, triton_python, workdir, reuse: dict | None = None,
+          spot_check: int = 0) -> list[dict]:
+  """Compiles each distinct kernel once per arch; one row per (configuration, arch).
+
+  reuse: `reusable()`'s figures: a (key, arch) found there is not compiled; its row takes those
+  figures (marked reused). spot_check: that many of the reused pairs are compiled all the same,
+  and a row whose figures differ from the reused ones fails (the toolchain is not the one the
+  figures came from)."""
+  reuse = reuse or {}
+  jobs, key_of, seen, reused = [], {}, set(), set()
   for cfg, kernels in cfg_kernels:
     for k in kernels:
       key = kernel_key(k)
@@ -218,11 +258,49 @@ def check(cfg_kernels, archs, triton_python, workdir) -> list[dict]:
       if key in seen:
         continue
       seen.add(key)
-      path = os.path.join(workdir, key + ".ttir")
-      with open(path, "w") as fh:
-        fh.write(k.ttir)
-      jobs += [dict(key=key, ttir=path, num_warps=k.num_warps, num_stages=k.num_stages, arch=a)
-               for a in archs]
+      todo = [a for a in archs if (key, a) not in reuse]
+      reused.update((key, a) for a in archs if (key, a) in reuse)
+      if not todo:
+        continue
+      jobs += _jobs(k, key, todo, workdir)
+  spot = spot_sample(reused, spot_check)
+  kernel_of = {key_of[(cfg, k.name)]: k for cfg, kernels in cfg_kernels for k in kernels}
+  for key, arch in sorted(spot):
+    jobs += _jobs(kernel_of[key], key, [arch], workdir)
+  compiled = _compile(jobs, triton_python, workdir) if jobs else {}
+  rows = []
+  for cfg, kernels in cfg_kernels:
+    for k in kernels:
+      for arch in archs:
+        key = key_of[(cfg, k.name)]
+        if (key, arch) in reused:
+          res = dict(reuse[(key, arch)], reused=True)
+        else:
+          res = dict(compiled[f"{key}/sm{arch}"])
+        row = judge(dict(dataclasses.asdict(cfg), label=cfg.label, arch=arch, kernel=k.name,
+                         key=key, num_warps=k.num_warps, num_stages=k.num_stages, **res))
+        if (key, arch) in spot:
+          now = compiled[f"{key}/sm{arch}"]
+          differ = {f: (reuse[(key, arch)].get(f), now.get(f)) for f in FIGURES
+                    if reuse[(key, arch)].get(f) != now.get(f)}
+          row["spot_checked"] = True
+          if differ:
+            row["problems"].append(f"spot check: compiled now, the figures differ from the "
+                                   f"reused ones (reused, now): {differ}")
+            row["pass"] = False
+        rows.append(row)
+  return rows
+
+
+def _jobs(kernel, key, archs, workdir) -> list[dict]:
+  path = os.path.join(workdir, key + ".ttir")
+  with open(path, "w") as fh:
+    fh.write(kernel.ttir)
+  return [dict(key=key, ttir=path, num_warps=kernel.num_warps, num_stages=kernel.num_stages,
+               arch=a) for a in archs]
+
+
+def _compile(jobs, triton_python, workdir) -> dict:
   jobs_path, results_path = os.path.join(workdir, "jobs.json"), os.path.join(workdir, "res.json")
   with open(jobs_path, "w") as fh:
     json.dump(jobs, fh)
@@ -231,17 +309,7 @@ def check(cfg_kernels, archs, triton_python, workdir) -> list[dict]:
   if proc.returncode:
     raise RuntimeError(f"ptx_compile.py failed: {proc.stderr[-2000:]}")
   with open(results_path) as fh:
-    compiled = json.load(fh)
-  rows = []
-  for cfg, kernels in cfg_kernels:
-    for k in kernels:
-      for arch in archs:
-        res = dict(compiled[f"{key_of[(cfg, k.name)]}/sm{arch}"])
-        row = dict(dataclasses.asdict(cfg), label=cfg.label, arch=arch, kernel=k.name,
-                   key=key_of[(cfg, k.name)], num_warps=k.num_warps, num_stages=k.num_stages,
-                   **res)
-        rows.append(judge(row))
-  return rows
+    return json.load(fh)
 
 
 def judge(row: dict) -> dict:
@@ -370,7 +438,17 @@ def main(argv):
   with tempfile.TemporaryDirectory() as tmp:
     workdir = FLAGS.keep or tmp
     os.makedirs(workdir, exist_ok=True)
-    rows += check(cfg_kernels, archs, FLAGS.triton_python, workdir)
+    reuse = reusable(FLAGS.reuse) if FLAGS.reuse else {}
+    if FLAGS.reuse and not reuse:
+      print(f"--reuse={FLAGS.reuse}: no whole-matrix record compiled by triton {TRITON_VERSION}"
+            f" there; compiling everything")
+    rows += check(cfg_kernels, archs, FLAGS.triton_python, workdir, reuse, FLAGS.spot_check)
+  n_reused = sum(bool(r.get("reused")) for r in rows)
+  n_spot = sum(bool(r.get("spot_checked")) for r in rows)
+  if FLAGS.reuse:
+    print(f"reused the figures of {n_reused} of {len(rows)} (configuration, arch) rows from "
+          f"{FLAGS.reuse} (same kernel key, arch and triton); compiled the rest, and spot-"
+          f"checked {n_spot} reused rows by compiling them again")
   for r in rows:
     r.setdefault("pass", False)
   failed = [r for r in rows if not r["pass"]]
@@ -393,12 +471,10 @@ def main(argv):
   return 1 if failed else 0
 
 
-_KEEP = ("ok", "label", "dtype", "precision", "head_dim", "page_size", "mode", "group", "features", "arch",
+_KEEP = ("reused", "ok", "label", "dtype", "precision", "head_dim", "page_size", "mode", "group", "features", "arch",
          "num_warps", "num_stages", "regs", "spill_stores", "spill_loads", "shared", "programs",
          "occupancy", "limit", "pass", "problems", "key")
 
-
-_RESULTS_JSONL = os.path.join(output.RESULTS, "kernel_ptx.jsonl")
 
 
 def newest_matrix(path: str = _RESULTS_JSONL) -> dict | None:

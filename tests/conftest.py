@@ -1,10 +1,31 @@
 """Suite-wide settings.
 
+- Two tiers. Tests marked `slow` (system tests: 8 simulated devices, multi-host, the soak, the
+  notebooks, the experiments' end-to-end runs of over ~12 s here) are left out by default (setup.cfg's `-m "not slow"`), so
+  the README's test command runs every other check; `.ci/run` then runs `pytest -m slow`.
+- A compilation cache across runs, for a developer's loop: PAGED_JAX_TEST_COMPILE_CACHE=DIR
+  keeps every program the run compiles in DIR (JAX's persistent cache, however fast it
+  compiled), inherited by xdist workers and subprocesses, so the next run reads them back
+  (the README tier's compiles ~5x cheaper warm). Off by default: within one run it saved nothing
+  measurable (the programs that repeat across modules are the tiny eager ones; the engine's step
+  programs differ by shape), so a clean clone (CI) gains nothing from it. A cache directory the
+  caller set in JAX_COMPILATION_CACHE_DIR (mutation_score's) is left as it is.
+- XLA compiles fast rather than well (`fast_compile_flags`, appended to XLA_FLAGS before jax
+  starts, inherited like the cache); PAGED_JAX_TEST_FAST_COMPILE=0 compiles at XLA's defaults
+  (`.ci/run`'s jax 0.11 stage does, so CI also runs the kernel, attention and isolation tests
+  on the programs users get).
 - Every Engine a test builds validates its step arrays against the block manager before each step
   (`Engine(validate_tables=None)` reads PAGED_JAX_VALIDATE_TABLES).
 - Compiled programs are released after each test module. Each XLA:CPU executable keeps a few
   dozen memory mappings; the whole suite compiles thousands of programs and crossed the kernel's
   vm.max_map_count (65,530), after which compiling aborted or segfaulted at random places.
+- A duration check: a test outside the slow tier that takes more than PAGED_JAX_MAX_TEST_SECONDS
+  (default 20; setup, call and teardown together) fails the run, named, so the README's tier
+  cannot silently grow back. 0 turns it off; it is off under mutmut (a mutant may only be slow).
+- A profile (PAGED_JAX_TEST_PROFILE=FILE): one JSON line per test and phase, appended to FILE by
+  each process, with its seconds and the part of them spent tracing, lowering and compiling
+  (or loading from the cache: JAX's own monitoring events) and waiting on subprocesses;
+  `python -m experiments.test_durations FILE` groups them by file and by what the time is.
 - Under mutmut's coverage pass (MUTANT_UNDER_TEST=stats, `experiments/mutation_score.py`) the
   compiled programs are released before every test: a test that finds a function's program in
   jit's cache never calls the Python function, so mutmut would not see that the test reaches it
@@ -12,12 +33,139 @@
 """
 
 import gc
+import importlib.metadata
+import json
 import os
+import subprocess
+import time
 
 os.environ.setdefault("PAGED_JAX_VALIDATE_TABLES", "1")
 
+if os.environ.get("PAGED_JAX_TEST_COMPILE_CACHE") and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+  # Set before jax is imported (it reads these once) and inherited by workers and subprocesses.
+  os.environ.update(JAX_COMPILATION_CACHE_DIR=os.environ["PAGED_JAX_TEST_COMPILE_CACHE"],
+                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+
+
+
+def fast_compile_flags(jaxlib_version: str) -> tuple:
+  """XLA's CPU compiler at its cheapest: LLVM at -O0 without its expensive passes, and on jaxlib
+  0.10 the older loop emitters (0.11 removed that flag; XLA aborts on a flag it does not know).
+  The suite is ~2/3 compiling; these cut a tiny engine's compiles ~3x on 0.10.2. The programs
+  compute the same IEEE f32 operations; only the machine code is less optimized."""
+  flags = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+  major_minor = tuple(int(x) for x in jaxlib_version.split(".")[:2])
+  return flags + (("--xla_cpu_use_fusion_emitters=false",) if major_minor < (0, 11) else ())
+
+
+if os.environ.get("PAGED_JAX_TEST_FAST_COMPILE", "1") != "0":
+  _flags = os.environ.get("XLA_FLAGS", "").split()
+  _names = {f.split("=")[0] for f in _flags}
+  os.environ["XLA_FLAGS"] = " ".join(
+      _flags + [f for f in fast_compile_flags(importlib.metadata.version("jaxlib"))
+                if f.split("=")[0] not in _names])
+
 import jax  # noqa: E402  (after the environment is set)
 import pytest  # noqa: E402
+
+MAX_TEST_SECONDS = float(os.environ.get("PAGED_JAX_MAX_TEST_SECONDS", "20"))
+_durations: dict = {}
+
+
+PROFILE = os.environ.get("PAGED_JAX_TEST_PROFILE")
+# JAX's monitoring events -> the profile's names. backend_compile wraps the persistent cache's
+# lookup, so it is compile time on a miss and load time on a hit; compile_time_saved is what a
+# hit saved (the program's recorded compile time less the load).
+_EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
+           "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+           "/jax/core/compile/backend_compile_duration": "compile",
+           "/jax/compilation_cache/cache_retrieval_time_sec": "cache_load",
+           "/jax/compilation_cache/compile_time_saved_sec": "cache_saved"}
+_now: dict = {}   # the running test phase's profile figures
+
+
+def _on_duration(event, seconds, **_):
+  name = _EVENTS.get(event)
+  if name:
+    _now[name] = _now.get(name, 0.0) + seconds
+    if name == "cache_saved":
+      _now["cache_hits"] = _now.get("cache_hits", 0) + 1
+
+
+def _timed(method):
+  """Popen.wait / communicate, adding the time spent in them to the running test's profile."""
+  def wrapper(self, *a, **kw):
+    depth = _now.get("_depth", 0)
+    _now["_depth"] = depth + 1
+    t = time.perf_counter()
+    try:
+      return method(self, *a, **kw)
+    finally:
+      _now["_depth"] = depth
+      if depth == 0:
+        _now["subprocess"] = _now.get("subprocess", 0.0) + time.perf_counter() - t
+  return wrapper
+
+
+if PROFILE:
+  jax.monitoring.register_event_duration_secs_listener(_on_duration)
+  subprocess.Popen.wait = _timed(subprocess.Popen.wait)
+  subprocess.Popen.communicate = _timed(subprocess.Popen.communicate)
+
+
+def _profile_row(test, phase, seconds, **kw):
+  row = dict(test=test, phase=phase, seconds=seconds, pid=os.getpid(), **kw,
+             **{k: v for k, v in _now.items() if not k.startswith("_")})
+  with open(PROFILE, "a") as fh:
+    fh.write(json.dumps(row) + "\n")
+  _now.clear()
+
+
+_t_start = time.perf_counter()
+
+
+def pytest_collection_finish(session):
+  # Module-level code (models, parameters) runs at collection: its compiles get a row of their own.
+  if PROFILE:
+    _profile_row("(collection)", "collect", time.perf_counter() - _t_start, slow=False)
+
+
+def pytest_configure(config):
+  config.addinivalue_line("markers", "slow: a system test (8 simulated devices, multi-host, the "
+                          "soak, the notebooks, long experiment runs); run by `pytest -m slow`")
+
+
+def pytest_runtest_logreport(report):
+  if PROFILE and not hasattr(report, "node"):   # this process ran it (not a worker's report)
+    _profile_row(report.nodeid, report.when, report.duration, slow="slow" in report.keywords)
+  # In the xdist controller too: each worker's reports arrive here with their durations.
+  if "slow" not in report.keywords:
+    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+
+
+def too_slow(durations: dict, limit: float) -> list:
+  """(seconds, test) of the tests over `limit` seconds, slowest first; none when limit <= 0."""
+  if limit <= 0:
+    return []
+  return sorted(((s, t) for t, s in durations.items() if s > limit), reverse=True)
+
+
+def pytest_sessionfinish(session, exitstatus):
+  if hasattr(session.config, "workerinput") or os.environ.get("MUTANT_UNDER_TEST"):
+    return
+  slow = too_slow(_durations, MAX_TEST_SECONDS)
+  if slow:
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    lines = [f"duration check: {len(slow)} test(s) outside the slow tier took over "
+             f"{MAX_TEST_SECONDS:g} s (make them cheaper, or mark them slow):"]
+    lines += [f"  {s:6.1f} s  {t}" for s, t in slow]
+    if reporter is not None:
+      reporter.write_line("\n".join(lines), red=True)
+    else:
+      print("\n".join(lines))
+    if session.exitstatus == 0:
+      session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(autouse=True, scope="module")

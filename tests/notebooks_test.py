@@ -7,6 +7,7 @@ import json
 import os
 
 from absl.testing import absltest, parameterized
+import pytest
 
 NOTEBOOKS = os.path.join(os.path.dirname(__file__), "..", "notebooks")
 PATHS = sorted(glob.glob(os.path.join(NOTEBOOKS, "*.ipynb")))
@@ -17,6 +18,10 @@ class NotebooksTest(parameterized.TestCase):
   def test_the_notebooks_are_there(self):
     self.assertEqual([os.path.basename(p) for p in PATHS],
                      ["fragmentation_and_sharing.ipynb", "serving.ipynb", "walkthrough.ipynb"])
+
+
+@pytest.mark.slow
+class NotebooksRunTest(parameterized.TestCase):
 
   @parameterized.parameters(*PATHS)
   def test_notebook_runs(self, path):

@@ -5,6 +5,7 @@ import os
 
 from absl.testing import absltest
 import numpy as np
+import pytest
 
 from experiments import (allocator_waste, attention_bench, attention_overhead, block_manager_bench,
                          copy_eval, cpu_parts_bench, demo, fragmentation, latency_bench,
@@ -211,6 +212,7 @@ class ExperimentsTest(absltest.TestCase):
     self.assertTrue(r["dense_agrees"])
     self.assertGreaterEqual(r["accuracy"], 0.9)
 
+  @pytest.mark.slow
   def test_serve_bench_against_transformers(self):
     # Every engine in its own process, at a tiny shape: same greedy tokens, floors reported.
     # (vLLM: test_serve_bench_vllm_peer, where its venv exists.)
@@ -298,6 +300,7 @@ class ExperimentsTest(absltest.TestCase):
     self.assertGreater(r["engines"]["vllm"]["20.0"]["output_tokens"], 0)
     self.assertGreater(r["p90_tpot_paged_jax_over_vllm"], 0)
 
+  @pytest.mark.slow
   def test_serve_bench_mesh(self):
     # The engine tensor and data parallel over 4 simulated devices (its worker process asks for
     # them): the same greedy tokens as transformers.
@@ -364,6 +367,7 @@ class ExperimentsTest(absltest.TestCase):
     self.assertEqual(r["gpu_records"], [])
     self.assertGreater(os.path.getsize(r["png"]), 0)
 
+  @pytest.mark.slow
   def test_page_size_sweep(self):
     import tempfile
     out = tempfile.mkdtemp()
@@ -402,6 +406,7 @@ class ExperimentsTest(absltest.TestCase):
     self.assertTrue(np.isnan(rate))
     self.assertEqual(how, "no clean run")
 
+  @pytest.mark.slow
   def test_rate_sweep_reservation_drives_admission(self):
     import tempfile
     out = tempfile.mkdtemp()
@@ -446,6 +451,7 @@ class ExperimentsTest(absltest.TestCase):
     self.assertTrue(on["same_tokens_as_off"])
     self.assertGreater(os.path.getsize(r["png"]), 0)
 
+  @pytest.mark.slow
   def test_preemption(self):
     import tempfile
     r = preemption.run(preemption.PreemptionConfig(

@@ -6,6 +6,7 @@ import math
 from absl.testing import absltest, parameterized
 from hypothesis import HealthCheck, given, settings, strategies as st
 import numpy as np
+import pytest
 
 from experiments import soak
 from paged_jax import config, page_ops, testing
@@ -254,6 +255,7 @@ class FuzzTest(absltest.TestCase):
     self.assertEqual(bm.num_tokens("a"), 4)
 
 
+@pytest.mark.slow
 class SoakTest(absltest.TestCase):
 
   def test_short_soak(self):

@@ -7,6 +7,7 @@ import sys
 from absl.testing import absltest, parameterized
 import jax
 from jax.sharding import PartitionSpec as P
+import pytest
 
 from paged_jax import config, data_parallel, sharding
 from paged_jax.config import CacheConfig
@@ -129,6 +130,7 @@ class PlacementTest(absltest.TestCase):
     self.assertEqual(data_parallel.place([5, 4, 9]), 1)
 
 
+@pytest.mark.slow
 class MultiDeviceTest(absltest.TestCase):
   """Runs sharding_multidevice.py with 8 simulated CPU devices in its own process (XLA reads the
   device count once, when jax starts)."""
@@ -144,6 +146,7 @@ class MultiDeviceTest(absltest.TestCase):
     self.assertNotIn("skipped", proc.stderr, tail)
 
 
+@pytest.mark.slow
 class MultiHostTest(absltest.TestCase):
 
   def test_loopback_processes(self):

@@ -214,6 +214,59 @@ class EstimateTest(absltest.TestCase):
 _TRITON = os.environ.get("PAGED_JAX_TRITON_PYTHON", "")
 
 
+class ReuseTest(absltest.TestCase):
+  """CI's PTX stage compiles only the kernels the committed matrix has not (`--reuse`)."""
+
+  CFG = kernel_ptx.Config("bfloat16", "highest", 64, 16, "decode", 4, "plain")
+
+  def _matrix(self, rows, triton=kernel_ptx.TRITON_VERSION):
+    tmp = tempfile.TemporaryDirectory()
+    self.addCleanup(tmp.cleanup)
+    path = os.path.join(tmp.name, "kernel_ptx.jsonl")
+    with open(path, "w") as fh:
+      fh.write(json.dumps(dict(kind="matrix", jax=jax.__version__, triton=triton, rows=rows))
+               + "\n")
+    return path
+
+  def _row(self, key, arch, **kw):
+    return dict(dict(label=self.CFG.label, key=key, arch=arch, ok=True, regs=77, spill_stores=0,
+                     spill_loads=0, shared=4096, **{"pass": True}), **kw)
+
+  def test_reusable_takes_passing_rows_of_the_same_triton(self):
+    path = self._matrix([self._row("k1", 80), self._row("k1", 90, regs=300, **{"pass": False}),
+                         self._row("k2", 90)])
+    self.assertEqual(kernel_ptx.reusable(path),
+                     {("k1", 80): dict(ok=True, regs=77, spill_stores=0, spill_loads=0,
+                                       shared=4096),
+                      ("k2", 90): dict(ok=True, regs=77, spill_stores=0, spill_loads=0,
+                                       shared=4096)})
+    self.assertEqual(kernel_ptx.reusable(self._matrix([self._row("k1", 80)], triton="3.8.0")), {})
+    self.assertEqual(kernel_ptx.reusable(os.path.join(os.path.dirname(path), "none.jsonl")), {})
+
+  def test_a_reused_kernel_is_not_compiled_and_keeps_its_figures(self):
+    kernels = kernel_ptx.lower(self.CFG)
+    key = kernel_ptx.kernel_key(kernels[0])
+    reuse = kernel_ptx.reusable(self._matrix([self._row(key, 80), self._row(key, 90)]))
+    with tempfile.TemporaryDirectory() as tmp:   # no triton at that path: nothing may compile
+      rows = kernel_ptx.check([(self.CFG, kernels)], [80, 90], "/nonexistent/python", tmp, reuse)
+    self.assertEqual([(r["arch"], r["reused"], r["regs"], r["pass"]) for r in rows],
+                     [(80, True, 77, True), (90, True, 77, True)])
+    self.assertEqual(rows[0]["programs"], ptx_compile.occupancy(77, kernels[0].num_warps, 4096,
+                                                                80)["programs"])
+    # A kernel the matrix has not (another key) is compiled: here that fails for want of triton.
+    with tempfile.TemporaryDirectory() as tmp, self.assertRaises(OSError):
+      kernel_ptx.check([(self.CFG, kernels)], [80, 90], "/nonexistent/python", tmp,
+                       {(key, 80): reuse[(key, 80)]})
+
+  def test_spot_sample_is_spread_and_stable(self):
+    pairs = [(f"k{i:02d}", a) for i in range(10) for a in (80, 90)]
+    self.assertEqual(kernel_ptx.spot_sample(pairs, 4),
+                     {("k00", 80), ("k02", 90), ("k05", 80), ("k07", 90)})
+    self.assertEqual(kernel_ptx.spot_sample(pairs[::-1], 4), kernel_ptx.spot_sample(pairs, 4))
+    self.assertEqual(kernel_ptx.spot_sample(pairs, 0), set())
+    self.assertEqual(kernel_ptx.spot_sample(pairs[:3], 9), set(pairs[:3]))
+
+
 class CompileTest(absltest.TestCase):
   """A real compile with pip triton (PAGED_JAX_TRITON_PYTHON, set by .ci/run's PTX stage)."""
 
@@ -240,6 +293,23 @@ class CompileTest(absltest.TestCase):
     for row in bad:
       self.assertFalse(row["pass"])
       self.assertTrue(any("spills" in p for p in row["problems"]), row["problems"])
+
+  def test_spot_check_catches_figures_the_compiler_does_not_give(self):
+    cfg = ReuseTest.CFG
+    kernels = kernel_ptx.lower(cfg)
+    key = kernel_ptx.kernel_key(kernels[0])
+    honest = {(key, a): {f: r.get(f) for f in kernel_ptx.FIGURES}
+              for r in self._compile(cfg) for a in [r["arch"]]}
+    forged = dict(honest)
+    forged[(key, 90)] = dict(honest[(key, 90)], regs=honest[(key, 90)]["regs"] + 8)
+    with tempfile.TemporaryDirectory() as tmp:
+      rows = kernel_ptx.check([(cfg, kernels)], [80, 90], _TRITON, tmp, honest, spot_check=2)
+      self.assertTrue(all(r["pass"] and r["spot_checked"] for r in rows),
+                      [r["problems"] for r in rows])
+      rows = kernel_ptx.check([(cfg, kernels)], [80, 90], _TRITON, tmp, forged, spot_check=2)
+    self.assertEqual([r["pass"] for r in rows], [True, False])
+    self.assertIn("spot check", rows[1]["problems"][0])
+    self.assertIn("'regs'", rows[1]["problems"][0])
 
   def test_tf32x3_head_dim_256_keys_per_step_follow_the_group(self):
     # The two configurations where one tile set for every group spilled on sm_90: 32 keys per
