@@ -471,9 +471,9 @@ def main(argv):
   return 1 if failed else 0
 
 
-_KEEP = ("reused", "ok", "label", "dtype", "precision", "head_dim", "page_size", "mode", "group", "features", "arch",
-         "num_warps", "num_stages", "regs", "spill_stores", "spill_loads", "shared", "programs",
-         "occupancy", "limit", "pass", "problems", "key")
+_KEEP = ("reused", "ok", "label", "dtype", "precision", "head_dim", "page_size", "mode", "group",
+         "features", "arch", "num_warps", "num_stages", "regs", "spill_stores", "spill_loads",
+         "shared", "programs", "occupancy", "limit", "pass", "problems", "key")
 
 
 

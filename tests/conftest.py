@@ -1,12 +1,13 @@
 """Suite-wide settings.
 
 - Two tiers. Tests marked `slow` (system tests: 8 simulated devices, multi-host, the soak, the
-  notebooks, the experiments' end-to-end runs of over ~12 s here) are left out by default (setup.cfg's `-m "not slow"`), so
-  the README's test command runs every other check; `.ci/run` then runs `pytest -m slow`.
+  notebooks, the experiments' end-to-end runs of over ~12 s here) are left out by default
+  (setup.cfg's `-m "not slow"`), so the README's test command runs every other check;
+  `.ci/run` then runs `pytest -m slow`.
 - A compilation cache across runs, for a developer's loop: PAGED_JAX_TEST_COMPILE_CACHE=DIR
   keeps every program the run compiles in DIR (JAX's persistent cache, however fast it
   compiled), inherited by xdist workers and subprocesses, so the next run reads them back
-  (the README tier's compiles ~5x cheaper warm). Off by default: within one run it saved nothing
+  (a tiny engine's compiles 4.4 s cold, 0.8 s warm). Off by default: within one run it saved nothing
   measurable (the programs that repeat across modules are the tiny eager ones; the engine's step
   programs differ by shape), so a clean clone (CI) gains nothing from it. A cache directory the
   caller set in JAX_COMPILATION_CACHE_DIR (mutation_score's) is left as it is.
@@ -41,12 +42,12 @@ import time
 
 os.environ.setdefault("PAGED_JAX_VALIDATE_TABLES", "1")
 
-if os.environ.get("PAGED_JAX_TEST_COMPILE_CACHE") and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+if (os.environ.get("PAGED_JAX_TEST_COMPILE_CACHE")
+    and not os.environ.get("JAX_COMPILATION_CACHE_DIR")):
   # Set before jax is imported (it reads these once) and inherited by workers and subprocesses.
   os.environ.update(JAX_COMPILATION_CACHE_DIR=os.environ["PAGED_JAX_TEST_COMPILE_CACHE"],
                     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
-
 
 
 def fast_compile_flags(jaxlib_version: str) -> tuple:
@@ -70,8 +71,7 @@ import jax  # noqa: E402  (after the environment is set)
 import pytest  # noqa: E402
 
 MAX_TEST_SECONDS = float(os.environ.get("PAGED_JAX_MAX_TEST_SECONDS", "20"))
-_durations: dict = {}
-
+_durations: dict = {}   # README-tier test -> seconds (setup + call + teardown), for the check
 
 PROFILE = os.environ.get("PAGED_JAX_TEST_PROFILE")
 # JAX's monitoring events -> the profile's names. backend_compile wraps the persistent cache's

