@@ -5,6 +5,8 @@ occupancy for every configuration the kernel supports, for sm_80 and sm_90.
   python -m experiments.kernel_ptx --write_table         # ... and rewrite WORKSPACE.md's table
   python -m experiments.kernel_ptx --dtypes=float32 --head_dims=64 --modes=decode   # a slice
   python -m experiments.kernel_ptx --errors              # precision errors, interpret mode
+  python -m experiments.kernel_ptx --reuse=experiments/results/kernel_ptx.jsonl --spot_check=48
+                                        # CI: compile only kernels the committed matrix has not
 
 How: each configuration is lowered for CUDA here (`triton_ir.lower_for_cuda`), its Triton IR is
 taken out of the lowering (`triton_ir.triton_kernels`), identical kernels are compiled once, and
@@ -18,6 +20,10 @@ shared memory (`ptx_compile.occupancy`).
 The matrix: bf16 and f32 (f32 at each precision: highest, tf32x3, default); head_dim 64, 80, 96,
 128, 256; page sizes 1, 16, 64; decode (q_len 1), mixed (chunks up to 16 beside decode rows) and
 prefill (chunks of 256); GQA groups 1, 4, 8; plain, and sliding window with soft cap.
+
+With --reuse, a kernel (same key: Triton IR, warps, stages) that the newest whole matrix of that
+file compiled with the same triton and passed keeps its figures instead of being compiled again;
+--spot_check=N compiles N of those anyway and fails where the figures differ.
 
 Results: one JSON line per run in experiments/results/kernel_ptx.jsonl (every configuration's
 figures), and with --write_table the per-(dtype, precision, head_dim) summary between the

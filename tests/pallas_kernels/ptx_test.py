@@ -2,7 +2,9 @@
 the Triton IR taken out of a CUDA lowering, and (where pip triton is at hand) a real compile that
 must pass for the planned tiles and must flag spills for tiles known to spill.
 
-The whole matrix is compiled by `python -m experiments.kernel_ptx`, a stage of `.ci/run`.
+The whole matrix is checked by `python -m experiments.kernel_ptx`, a stage of `.ci/run` (which
+compiles the kernels the committed matrix has not, reuses the rest's figures by kernel key, and
+spot-checks some of those: ReuseTest).
 """
 
 import json
