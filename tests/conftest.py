@@ -44,10 +44,10 @@ os.environ.setdefault("PAGED_JAX_VALIDATE_TABLES", "1")
 
 if (os.environ.get("PAGED_JAX_TEST_COMPILE_CACHE")
     and not os.environ.get("JAX_COMPILATION_CACHE_DIR")):
-  # Set before jax is imported (it reads these once) and inherited by workers and subprocesses.
-  os.environ.update(JAX_COMPILATION_CACHE_DIR=os.environ["PAGED_JAX_TEST_COMPILE_CACHE"],
-                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+  # Set before jax is imported (it reads these once) and inherited by workers and subprocesses:
+  # mutation_score's settings (stdlib only at import), every program cached.
+  from experiments.mutation_score import compile_cache_env
+  os.environ.update(compile_cache_env(os.environ["PAGED_JAX_TEST_COMPILE_CACHE"], base={}))
 
 
 def fast_compile_flags(jaxlib_version: str) -> tuple:
