@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+from typing import Any
+
+import numpy as np
+
+from paged_jax import rope
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """A Llama-family decoder (Llama, Qwen2, Mistral): RMSNorm, RoPE, SwiGLU MLP, GQA.
+  """A Llama-family decoder: RMSNorm, RoPE, gated MLP, GQA, and the switches that make it Qwen2 / 3,
+  Mistral, Gemma 2 / 3 or Phi-3 (`paged_jax.checkpoint.FAMILIES` says which family sets which).
 
   Attributes:
     vocab_size, hidden_size, intermediate_size, num_layers: the usual sizes.
@@ -23,6 +30,18 @@ class ModelConfig:
     hidden_act: the MLP's gate activation, one of HIDDEN_ACTS (transformers' names).
     max_position: longest sequence the model supports.
     dtype: parameter and activation dtype name ("float32" or "bfloat16").
+    rope_scaling: the RoPE type and its parameters as sorted (key, value) items (hashable), or
+      None for plain RoPE: `paged_jax.rope` says which types run and how.
+    local_rope_theta: the rotary base of sliding-window layers where it differs (Gemma 3), or
+      None (every layer uses rope_theta and rope_scaling).
+    qk_norm: an RMSNorm over each query and key head before RoPE (Qwen3, Gemma 3).
+    unit_offset_norms: RMSNorms scale by (1 + weight), in f32 before the cast (Gemma).
+    scale_embeddings: token embeddings are multiplied by sqrt(hidden_size) (Gemma).
+    sandwich_norms: attention and MLP outputs are normed before their residual add, and the MLP
+      input by `pre_feedforward_layernorm` (Gemma 2 / 3).
+    query_scale: softmax scale, or None for head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5).
+    attn_soft_cap: attention scores become cap * tanh(scores / cap) (Gemma 2), or None.
+    final_soft_cap: the same on the output logits (Gemma 2), or None.
   """
   vocab_size: int
   hidden_size: int
@@ -40,6 +59,15 @@ class ModelConfig:
   hidden_act: str = "silu"
   max_position: int = 2048
   dtype: str = "float32"
+  rope_scaling: tuple[tuple[str, Any], ...] | None = None
+  local_rope_theta: float | None = None
+  qk_norm: bool = False
+  unit_offset_norms: bool = False
+  scale_embeddings: bool = False
+  sandwich_norms: bool = False
+  query_scale: float | None = None
+  attn_soft_cap: float | None = None
+  final_soft_cap: float | None = None
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_q_heads",
@@ -67,6 +95,19 @@ class ModelConfig:
       bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
       if bad:
         raise ValueError(f"layer_types: {bad} not in {LAYER_TYPES}")
+    if isinstance(self.rope_scaling, dict):
+      object.__setattr__(self, "rope_scaling", rope.freeze(self.rope_scaling))
+    rope.check(self.rope_scaling)
+    for name in ("query_scale", "attn_soft_cap", "final_soft_cap", "local_rope_theta"):
+      value = getattr(self, name)
+      if value is not None and not value > 0:
+        raise ValueError(f"{name}={value} must be > 0 (or None)")
+
+  def layer_rope(self, layer: int) -> tuple[np.ndarray, float]:
+    """(f32[head_dim // 2] inverse frequencies, attention_factor) of one layer's RoPE."""
+    if self.local_rope_theta is not None and self.layer_window(layer) is not None:
+      return _frequencies(self.head_dim, self.local_rope_theta, None, self.max_position)
+    return _frequencies(self.head_dim, self.rope_theta, self.rope_scaling, self.max_position)
 
   def layer_window(self, layer: int) -> int | None:
     """The sliding window of one layer (None: full causal attention)."""
@@ -90,6 +131,13 @@ class ModelConfig:
       raise ValueError(f"num_kv_heads={self.num_kv_heads} cannot be replicated evenly over "
                        f"model_parallel={model_parallel} devices (it must divide it)")
     return model_parallel
+
+
+@functools.lru_cache(maxsize=64)
+def _frequencies(head_dim, theta, scaling, max_position):
+  inv_freq, factor = rope.frequencies(head_dim, theta, scaling, max_position)
+  inv_freq.setflags(write=False)   # shared between callers through the cache
+  return inv_freq, factor
 
 
 # The MLP gate activations we implement (transformers' names; Llama / Qwen2 / Mistral use silu).

@@ -1,9 +1,13 @@
-"""A Llama-family decoder in Flax (Llama, Qwen2, Mistral) whose attention runs on a KV store.
+"""A Llama-family decoder in Flax (Llama, Qwen2 / 3, Mistral, Gemma 2 / 3, Phi-3) whose attention
+runs on a KV store.
 
-Layers: RMSNorm -> q/k/v projections (biases for Qwen2) -> rotary embeddings -> write this step's
-K/V and attend -> o_proj -> residual -> RMSNorm -> SwiGLU MLP -> residual; a final RMSNorm and a
-tied or untied LM head. Parameter names follow Hugging Face's (`layers_0/self_attn/q_proj`, ...),
-so checkpoints map one to one (`paged_jax.checkpoint`).
+Layers: RMSNorm -> q/k/v projections (biases for Qwen2) -> per-head q/k RMSNorms (Qwen3, Gemma 3)
+-> rotary embeddings (`paged_jax.rope`) -> write this step's K/V and attend -> o_proj -> residual
+-> RMSNorm -> gated MLP -> residual; a final RMSNorm and a tied or untied LM head. Gemma adds
+(1 + w) norms, an embedding scaled by sqrt(hidden), norms on the attention and MLP outputs before
+their residual adds, a query scale, and soft caps on attention scores and logits: each a switch
+of `ModelConfig`. Parameter names follow Hugging Face's (`layers_0/self_attn/q_proj`, ...), so
+checkpoints map one to one (`paged_jax.checkpoint`).
 
 The KV store is a pytree passed in and returned: `PagedKV` (the paged pool and this step's
 `AttentionMetadata`) for the real thing, `DenseKV` (one contiguous cache row per sequence) as the
@@ -18,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from paged_jax import attention, sharding
+from paged_jax import rope as rotary
 from paged_jax.config import ModelConfig
 from paged_jax.kv_write import write_kv_layer
 from paged_jax.state import AttentionMetadata, KVPool
@@ -30,7 +35,8 @@ class PagedKV:
   md: AttentionMetadata
   impl: str = flax.struct.field(pytree_node=False, default="auto")
 
-  def attend(self, layer: int, q, k, v, *, sliding_window, select=None):
+  def attend(self, layer: int, q, k, v, *, sliding_window, scale=None, soft_cap=None,
+             select=None):
     """Writes K/V of this step's tokens by slot, then paged attention.
 
     Args:
@@ -38,6 +44,7 @@ class PagedKV:
       k, v: [T, K, D] of every token (all are written).
       select: i32[S] token indices whose queries alone are wanted (the last layer, when only
         some tokens' logits are). Each attends as a decode row (one query at its position).
+      sliding_window, scale, soft_cap: as in `attention.step_attention` (static).
 
     Without `select`, decode rows and prefill chunks run as `attention.step_attention` splits
     them (one kernel launch on a GPU; decode rows and prefill rows apart on the XLA path).
@@ -47,18 +54,18 @@ class PagedKV:
         pages_k = write_kv_layer(pages_k, k, md.slots)
         pages_v = write_kv_layer(pages_v, v, md.slots)
       with jax.named_scope("attention"):
-        o = self._attention(md, pages_k, pages_v, q, k, v, sliding_window, select)
+        o = self._attention(md, pages_k, pages_v, q, k, v, select, sliding_window=sliding_window,
+                            scale=scale, soft_cap=soft_cap)
       return o, pages_k, pages_v
     o, pages_k, pages_v = sharding.over_kv_heads(local, q, k, v, self.pool.k[layer],
                                                  self.pool.v[layer], self.md, select)
     return o, self.replace(pool=self.pool.with_layer(layer, pages_k, pages_v))
 
-  def _attention(self, md, pages_k, pages_v, q, k, v, sliding_window, select):
+  def _attention(self, md, pages_k, pages_v, q, k, v, select, **kw):
     if select is None:
       o = attention.step_attention(q, k, v, pages_k, pages_v, md.block_tables,
                                    md.seq_lens, md.cu_q_lens, num_decode=md.num_decode,
-                                   max_q_len=md.max_q_len, sliding_window=sliding_window,
-                                   impl=self.impl)
+                                   max_q_len=md.max_q_len, impl=self.impl, **kw)
     else:
       num_rows = md.seq_lens.shape[0]
       row = jnp.clip(jnp.searchsorted(md.cu_q_lens[1:], select, side="right"), 0, num_rows - 1)
@@ -67,8 +74,7 @@ class PagedKV:
       o = attention.paged_attention(
           q, pages_k, pages_v, md.block_tables[row],
           jnp.maximum(position + 1, 1).astype(jnp.int32),
-          jnp.arange(select.shape[0] + 1, dtype=jnp.int32), max_q_len=1,
-          sliding_window=sliding_window, impl=self.impl)
+          jnp.arange(select.shape[0] + 1, dtype=jnp.int32), max_q_len=1, impl=self.impl, **kw)
     return o
 
 
@@ -86,42 +92,42 @@ class DenseKV:
   cu_q_lens: jax.Array
   max_q_len: int = flax.struct.field(pytree_node=False, default=1)
 
-  def attend(self, layer: int, q, k, v, *, sliding_window, select=None):
+  def attend(self, layer: int, q, k, v, *, sliding_window, scale=None, soft_cap=None,
+             select=None):
+    kw = dict(sliding_window=sliding_window, scale=scale, soft_cap=soft_cap)
     kc = self.k.at[layer, self.seq_ids, self.positions].set(k.astype(self.k.dtype))
     vc = self.v.at[layer, self.seq_ids, self.positions].set(v.astype(self.v.dtype))
     if select is None:
       o = attention.dense_attention(q, kc[layer], vc[layer], self.cu_q_lens, self.seq_lens,
-                                    sliding_window=sliding_window, max_q_len=self.max_q_len)
+                                    max_q_len=self.max_q_len, **kw)
     else:   # each selected query alone, over its sequence's keys up to its position
       rows = self.seq_ids[select]
       o = attention.dense_attention(q, kc[layer][rows], vc[layer][rows],
                                     jnp.arange(select.shape[0] + 1, dtype=jnp.int32),
-                                    self.positions[select] + 1, sliding_window=sliding_window,
-                                    max_q_len=1)
+                                    self.positions[select] + 1, max_q_len=1, **kw)
     return o, self.replace(k=kc, v=vc)
 
 
-def rope(x, positions, theta: float):
-  """Rotary embeddings, Hugging Face's non-interleaved form; x: [T, heads, D], positions: i32[T]."""
-  head_dim = x.shape[-1]
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-  freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-  emb = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-  rotated = jnp.concatenate([-x2, x1], axis=-1)
-  return (x.astype(jnp.float32) * jnp.cos(emb) + rotated * jnp.sin(emb)).astype(x.dtype)
-
-
 class RMSNorm(nn.Module):
+  """RMSNorm over the last axis. Llama's form scales the normed x, cast to dtype, by `weight`;
+  with unit_offset (Gemma) it scales by (1 + weight) in f32, then casts."""
   eps: float
   dtype: jnp.dtype
+  unit_offset: bool = False
 
   @nn.compact
   def __call__(self, x):
-    weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
+    init = nn.initializers.zeros if self.unit_offset else nn.initializers.ones
+    weight = self.param("weight", init, (x.shape[-1],), self.dtype)
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+    if self.unit_offset:
+      return (xf * (1.0 + weight.astype(jnp.float32))).astype(self.dtype)
     return weight * xf.astype(self.dtype)
+
+
+def norm(cfg: ModelConfig, name: str) -> RMSNorm:
+  return RMSNorm(cfg.rms_norm_eps, jnp.dtype(cfg.dtype), cfg.unit_offset_norms, name=name)
 
 
 def _dense(features: int, name: str, dtype, bias: bool = False) -> nn.Dense:
@@ -150,12 +156,17 @@ class Attention(nn.Module):
     q = _dense(cfg.num_q_heads * cfg.head_dim, "q_proj", dt, cfg.attention_bias)(xq)
     k = _dense(cfg.num_kv_heads * cfg.head_dim, "k_proj", dt, cfg.attention_bias)(x)
     v = _dense(cfg.num_kv_heads * cfg.head_dim, "v_proj", dt, cfg.attention_bias)(x)
+    q = q.reshape(q.shape[0], cfg.num_q_heads, cfg.head_dim)
+    k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+      q, k = norm(cfg, "q_norm")(q), norm(cfg, "k_norm")(k)
     with jax.named_scope("rope"):
-      q = rope(q.reshape(q.shape[0], cfg.num_q_heads, cfg.head_dim), q_pos, cfg.rope_theta)
-      k = rope(k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim), positions, cfg.rope_theta)
+      inv_freq, factor = cfg.layer_rope(self.layer)
+      q = rotary.apply(q, q_pos, inv_freq, factor)
+      k = rotary.apply(k, positions, inv_freq, factor)
     v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
     o, kv = kv.attend(self.layer, q, k, v, sliding_window=cfg.layer_window(self.layer),
-                      select=select)
+                      scale=cfg.query_scale, soft_cap=cfg.attn_soft_cap, select=select)
     o = _dense(cfg.hidden_size, "o_proj", dt)(o.reshape(q.shape[0], -1).astype(dt))
     return o, kv
 
@@ -230,19 +241,31 @@ class Decoder(nn.Module):
     embed = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dt, param_dtype=dt,
                   name="embed_tokens", embedding_init=nn.initializers.normal(0.02))
     x = embed(tokens)
+    if cfg.scale_embeddings:   # Gemma: sqrt(hidden) rounded to the dtype first, as transformers
+      x = x * jnp.asarray(cfg.hidden_size ** 0.5, jnp.float32).astype(dt)
     for i in range(cfg.num_layers):
       select = logits_indices if i == cfg.num_layers - 1 else None
-      h = RMSNorm(cfg.rms_norm_eps, dt, name=f"layers_{i}_input_layernorm")(x)
+      h = norm(cfg, f"layers_{i}_input_layernorm")(x)
       h, kv = Attention(cfg, i, name=f"layers_{i}_self_attn")(h, positions, kv, select)
+      if cfg.sandwich_norms:
+        h = norm(cfg, f"layers_{i}_post_attention_layernorm")(h)
       x = (x if select is None else x[select]) + h
-      h = RMSNorm(cfg.rms_norm_eps, dt, name=f"layers_{i}_post_attention_layernorm")(x)
-      x = x + MLP(cfg, name=f"layers_{i}_mlp")(h)
-    x = RMSNorm(cfg.rms_norm_eps, dt, name="norm")(x)
+      # Llama calls the MLP's input norm post_attention_layernorm; Gemma, pre_feedforward.
+      h = norm(cfg, f"layers_{i}_pre_feedforward_layernorm" if cfg.sandwich_norms
+               else f"layers_{i}_post_attention_layernorm")(x)
+      h = MLP(cfg, name=f"layers_{i}_mlp")(h)
+      if cfg.sandwich_norms:
+        h = norm(cfg, f"layers_{i}_post_feedforward_layernorm")(h)
+      x = x + h
+    x = norm(cfg, "norm")(x)
     if cfg.tie_embeddings:
       logits = embed.attend(x)
     else:
       logits = _dense(cfg.vocab_size, "lm_head", dt)(x)
-    return logits.astype(jnp.float32), kv
+    logits = logits.astype(jnp.float32)
+    if cfg.final_soft_cap is not None:
+      logits = cfg.final_soft_cap * jnp.tanh(logits / cfg.final_soft_cap)
+    return logits, kv
 
 
 def init_params(cfg: ModelConfig, seed: int = 0):

@@ -5,7 +5,9 @@ Not imported by the library itself.
 
 from __future__ import annotations
 
+
 import math
+import os
 from typing import NamedTuple, Sequence
 
 import jax
@@ -329,6 +331,24 @@ def dense_logprobs(params, cfg, tokens) -> np.ndarray:
                                 jnp.arange(n, dtype=jnp.int32), kv, jnp.array([n - 1], jnp.int32))
   return np.asarray(jax.nn.log_softmax(logits[0]))
 
+
+def dense_logits(params, cfg, tokens) -> np.ndarray:
+  """f32[len(tokens), vocab_size] logits of every position from one dense forward over the
+  sequence (eager: no compile per length), the form transformers' `model(ids).logits` has."""
+  from paged_jax import model
+  n = len(tokens)
+  shape = (cfg.num_layers, 1, n, cfg.num_kv_heads, cfg.head_dim)
+  kv = model.DenseKV(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype),
+                     jnp.zeros(n, jnp.int32), jnp.arange(n, dtype=jnp.int32),
+                     jnp.array([n], jnp.int32), jnp.array([0, n], jnp.int32), max_q_len=n)
+  logits, _ = model.Decoder(cfg).apply({"params": params}, jnp.asarray(tokens, jnp.int32),
+                                       jnp.arange(n, dtype=jnp.int32), kv)
+  return np.asarray(logits)
+
+
+# `.ci/run` sets PAGED_JAX_REQUIRE_TORCH=1: there a missing torch fails the cross-checks against
+# transformers instead of skipping them, so CI cannot pass without them having run.
+REQUIRE_TORCH = os.environ.get("PAGED_JAX_REQUIRE_TORCH") == "1"
 
 _DENSE_APPLY = {}
 

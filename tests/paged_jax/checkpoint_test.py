@@ -37,20 +37,8 @@ def _hf_model(family: str, **overrides):
   return cls[1](cls[0](**common)).eval()
 
 
-def _our_logits(params, cfg, prompt):
-  n = len(prompt)
-  shape = (cfg.num_layers, 1, n, cfg.num_kv_heads, cfg.head_dim)
-  kv = model.DenseKV(jnp.zeros(shape), jnp.zeros(shape), jnp.zeros(n, jnp.int32),
-                     jnp.arange(n, dtype=jnp.int32), jnp.array([n], jnp.int32),
-                     jnp.array([0, n], jnp.int32), max_q_len=n)
-  logits, _ = model.Decoder(cfg).apply({"params": params}, jnp.asarray(prompt, jnp.int32),
-                                       jnp.arange(n, dtype=jnp.int32), kv)
-  return np.asarray(logits)
-
-
-# `.ci/run` sets PAGED_JAX_REQUIRE_TORCH=1: there a missing torch fails these tests instead of
-# skipping them, so CI cannot pass without the cross-check having run.
-REQUIRE_TORCH = os.environ.get("PAGED_JAX_REQUIRE_TORCH") == "1"
+_our_logits = testing.dense_logits
+REQUIRE_TORCH = testing.REQUIRE_TORCH
 
 
 @absltest.skipIf(torch is None and not REQUIRE_TORCH,
@@ -185,8 +173,9 @@ class CheckpointErrorsTest(absltest.TestCase):
     self._edit_config(architectures=["GPT2LMHeadModel"])
     with self.assertRaisesRegex(checkpoint.CheckpointError, "unsupported architecture 'GPT2LMHeadModel'"):
       checkpoint.load_checkpoint(self.dir)
-    self._edit_config(architectures=["LlamaForCausalLM"], rope_scaling={"rope_type": "llama3"})
-    with self.assertRaisesRegex(checkpoint.CheckpointError, "RoPE scaling"):
+    self._edit_config(architectures=["LlamaForCausalLM"], rope_scaling={"rope_type": "longrope"})
+    with self.assertRaisesRegex(checkpoint.CheckpointError,
+                                "config.json.*rope_type='longrope' is not supported"):
       checkpoint.load_checkpoint(self.dir)
 
   def test_wrong_shape_and_missing_tensor(self):
