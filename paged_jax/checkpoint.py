@@ -421,7 +421,11 @@ def assemble_params(cfg: ModelConfig, family: Family, tensors, path: str) -> dic
 
 def load_eos_token_ids(path: str) -> tuple[int, ...]:
   """The checkpoint's end-of-sequence ids: generation_config.json's eos_token_id if present, else
-  config.json's (an int or a list in either); () if neither names one."""
+  config.json's (an int or a list in either); () if neither names one. A GGUF file: its
+  tokenizer.ggml.eos_token_id and eot_token_id."""
+  if os.path.isfile(path):
+    from paged_jax import gguf_file
+    return gguf_file.metadata(path)["eos_token_ids"]
   for name in ("generation_config.json", "config.json"):
     file = os.path.join(path, name)
     if not os.path.exists(file):

@@ -5,12 +5,18 @@
   python -m paged_jax.serve --model=/path/to/hf_dir --prompts_file=requests.jsonl
   python -m paged_jax.serve --workload=alpaca --num_requests=500 --request_rate=20 --json=out.json
   python -m paged_jax.serve --num_pages=33 --reservation=max  # a contiguous baseline of the paper
+  python -m paged_jax.serve --model=SmolLM2-135M-Instruct.Q4_1.gguf --chat --stream \
+      --prompt="What is the capital of France?"               # chat with a real model
 
 Requests come from --prompt flags (text, through the checkpoint's tokenizer), from a JSONL file
-(one object per line: "prompt" text or "prompt_token_ids", and optionally max_tokens, temperature,
-top_k, top_p, n, beam_width, seed, ignore_eos), or from a synthetic workload (lengths as in
+(one object per line: "prompt" text, "prompt_token_ids" or chat "messages", and optionally
+max_tokens, temperature, top_k, top_p, n, beam_width, seed, ignore_eos), or from a synthetic
+workload (lengths as in
 ../shared/WORKLOADS.md, token ids uniform over the vocabulary, EOS ignored so lengths hold).
-They arrive as a Poisson process at --request_rate (inf: all at once). At the end: input and
+With --chat, each --prompt is a user turn; it and every "messages" line go through the
+checkpoint's chat template (`paged_jax.chat`), and completions stop at the template's end of turn.
+--stream prints the text as it is generated. --model takes a Hugging Face directory or a GGUF
+file. They arrive as a Poisson process at --request_rate (inf: all at once). At the end: input and
 output tokens/s, TTFT and TPOT percentiles (p50 / p90 / p99), the paper's normalized latency,
 peak KV usage, prefix-cache hit rate and preemptions; --json writes the same as JSON.
 """
@@ -27,6 +33,7 @@ from absl import app, flags
 import jax
 import numpy as np
 
+from paged_jax import chat as chat_lib
 from paged_jax import checkpoint, data_parallel, embedded, sharding, workloads
 from paged_jax.config import DEFAULT_COMPILATION_CACHE, CacheConfig, enable_compilation_cache
 from paged_jax.engine import Engine
@@ -71,6 +78,8 @@ class ServeConfig:
   validate_tables: bool = False
   scrub_freed_pages: bool = False
   mesh: str = "1x1"
+  chat: bool = False
+  stream: bool = False
 
 
 @dataclasses.dataclass
@@ -87,8 +96,22 @@ def load_model(cfg: ServeConfig):
   return params, mcfg, tokenizer, checkpoint.load_eos_token_ids(path)
 
 
-def make_requests(cfg: ServeConfig, mcfg, tokenizer) -> list[_Request]:
-  """The requests to serve, with arrival times (seconds from the start)."""
+def _needs_chat(cfg: ServeConfig) -> bool:
+  if cfg.chat:
+    return True
+  if cfg.prompts_file:
+    with open(cfg.prompts_file) as f:
+      return any('"messages"' in line for line in f)
+  return False
+
+
+def make_requests(cfg: ServeConfig, mcfg, tokenizer, chat: chat_lib.Chat | None = None
+                  ) -> list[_Request]:
+  """The requests to serve, with arrival times (seconds from the start).
+
+  Args:
+    chat: renders --chat prompts and "messages" lines (needed for either).
+  """
   rng = np.random.default_rng(cfg.seed)
   base = dict(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, n=cfg.n,
               beam_width=cfg.beam_width)
@@ -99,7 +122,10 @@ def make_requests(cfg: ServeConfig, mcfg, tokenizer) -> list[_Request]:
     if tokenizer is None:
       raise ValueError("--prompt needs a tokenizer (the checkpoint has no tokenizer.json); give "
                        "token ids through --prompts_file instead")
-    specs = [(tokenizer.encode(p).ids, {}) for p in cfg.prompts]
+    if cfg.chat:
+      specs = [(chat.prompt_ids([{"role": "user", "content": p}]), {}) for p in cfg.prompts]
+    else:
+      specs = [(tokenizer.encode(p).ids, {}) for p in cfg.prompts]
   elif cfg.prompts_file:
     with open(cfg.prompts_file) as f:
       for line_no, line in enumerate(f, 1):
@@ -109,7 +135,10 @@ def make_requests(cfg: ServeConfig, mcfg, tokenizer) -> list[_Request]:
           obj = json.loads(line)
         except json.JSONDecodeError as e:
           raise ValueError(f"{cfg.prompts_file}:{line_no}: not JSON ({e})") from None
-        if "prompt_token_ids" in obj:
+        if "messages" in obj:
+          chat_lib.check_messages(obj["messages"], f"{cfg.prompts_file}:{line_no}: messages")
+          ids = chat.prompt_ids(obj["messages"])
+        elif "prompt_token_ids" in obj:
           ids = obj["prompt_token_ids"]
         elif "prompt" in obj:
           if tokenizer is None:
@@ -117,8 +146,9 @@ def make_requests(cfg: ServeConfig, mcfg, tokenizer) -> list[_Request]:
                              f"give prompt_token_ids")
           ids = tokenizer.encode(obj["prompt"]).ids
         else:
-          raise ValueError(f"{cfg.prompts_file}:{line_no}: needs 'prompt' or 'prompt_token_ids'")
-        unknown = set(obj) - {"prompt", "prompt_token_ids"} - set(_SAMPLING_KEYS)
+          raise ValueError(f"{cfg.prompts_file}:{line_no}: needs 'prompt', 'prompt_token_ids' or "
+                           f"'messages'")
+        unknown = set(obj) - {"prompt", "prompt_token_ids", "messages"} - set(_SAMPLING_KEYS)
         if unknown:
           raise ValueError(f"{cfg.prompts_file}:{line_no}: unknown keys {sorted(unknown)}")
         specs.append((ids, {k: obj[k] for k in _SAMPLING_KEYS if k in obj}))
@@ -173,8 +203,13 @@ def make_engine(cfg: ServeConfig, params, mcfg, tokenizer, eos):
   return data_parallel.make_engine(params, mcfg, mesh=mesh, **kw)
 
 
-def serve(engine: Engine, requests: list[_Request], *, progress: bool = False):
+def serve(engine: Engine, requests: list[_Request], *, progress: bool = False, on_output=None):
   """Feeds requests at their arrival times and steps the engine until all finish.
+
+  Args:
+    on_output: called with (request index, RequestOutput) for every output a step reports
+      (--stream prints their new text).
+
   Returns (final outputs in request order, wall seconds)."""
   from tqdm import tqdm
   for r in requests:   # refuse a bad request before anything runs
@@ -193,12 +228,33 @@ def serve(engine: Engine, requests: list[_Request], *, progress: bool = False):
         nxt += 1
       if engine.has_unfinished():
         for out in engine.step():
+          if on_output is not None:
+            on_output(ids[out.request_id], out)
           if out.finished:
             final[ids[out.request_id]] = out
             bar.update(1)
       elif nxt < len(order):
         time.sleep(max(0.0, requests[order[nxt]].arrival - (time.perf_counter() - start)))
   return [final[i] for i in range(len(requests))], time.perf_counter() - start
+
+
+def _streamer(num_requests: int):
+  """Prints each output's new text as it arrives: bare for one request, else a line per chunk
+  tagged with the request's index."""
+  import sys
+
+  def on_output(index, out):
+    for c in out.outputs:
+      if not c.new_text:
+        continue
+      if num_requests == 1 and len(out.outputs) == 1:
+        sys.stdout.write(c.new_text)
+      else:
+        sys.stdout.write(f"[{index}] {c.new_text!r}\n")
+      sys.stdout.flush()
+    if out.finished and num_requests == 1:
+      sys.stdout.write("\n")
+  return on_output
 
 
 def _percentiles(values) -> dict[str, float | None]:
@@ -243,11 +299,16 @@ def run(cfg: ServeConfig, model=None) -> dict:
     model: (params, model config, tokenizer, eos ids) to reuse instead of loading cfg.model_dir.
   """
   params, mcfg, tokenizer, eos = model or load_model(cfg)
-  requests = make_requests(cfg, mcfg, tokenizer)
+  chat = None
+  if _needs_chat(cfg):
+    chat = chat_lib.Chat(cfg.model_dir or embedded.EMBEDDED_MODEL_DIR, tokenizer, eos)
+    eos = chat.end_of_turn_ids   # a chat ends at the template's end of turn
+  requests = make_requests(cfg, mcfg, tokenizer, chat)
   if cfg.warmup:   # the same run on a throwaway engine compiles the shapes it will meet
     serve(make_engine(cfg, params, mcfg, tokenizer, eos), requests)
   engine = make_engine(cfg, params, mcfg, tokenizer, eos)
-  outs, seconds = serve(engine, requests, progress=cfg.progress)
+  outs, seconds = serve(engine, requests, progress=cfg.progress and not cfg.stream,
+                        on_output=_streamer(len(requests)) if cfg.stream else None)
   engine.check_invariants()
   summary = summarize(engine, requests, outs, seconds)
   summary["compile_included"] = not cfg.warmup
@@ -304,7 +365,8 @@ def main(argv):
       preemption_mode=f.preemption_mode, reservation=f.reservation,
       enable_prefix_caching=f.enable_prefix_caching,
       impl=f.impl, dtype=f.dtype, seed=f.seed, warmup=f.warmup, progress=f.progress,
-      validate_tables=f.validate_tables, scrub_freed_pages=f.scrub_freed_pages, mesh=f.mesh)
+      validate_tables=f.validate_tables, scrub_freed_pages=f.scrub_freed_pages, mesh=f.mesh,
+      chat=f.chat, stream=f.stream)
   sharding.ensure_host_devices(cfg.mesh)
   r = run(cfg)
   print(report(r))
@@ -315,7 +377,11 @@ def main(argv):
 
 
 def define_flags():
-  flags.DEFINE_string("model", None, "HF-format checkpoint directory (default: embedded model).")
+  flags.DEFINE_string("model", None, "A Hugging Face-format checkpoint directory or a GGUF file "
+                      "(default: the embedded model).")
+  flags.DEFINE_bool("chat", False, "Each --prompt is a user turn, rendered with the checkpoint's "
+                    "chat template; completions stop at its end of turn.")
+  flags.DEFINE_bool("stream", False, "Print the text as it is generated.")
   flags.DEFINE_multi_string("prompt", None, "A text prompt (repeat for more).")
   flags.DEFINE_string("prompts_file", None, "JSONL of requests (prompt or prompt_token_ids, ...).")
   flags.DEFINE_enum("workload", "sharegpt", list(workloads.WORKLOADS),

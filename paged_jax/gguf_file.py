@@ -1,0 +1,343 @@
+"""GGUF files (llama.cpp's format) read directly, with the `gguf` package (llama.cpp's own
+reader and dequantizer: `pip install -e '.[gguf]'`). Host side.
+
+A GGUF file holds metadata (architecture, sizes, tokenizer, chat template) and tensors, many of
+them quantized in blocks. `load` maps both to what `paged_jax.checkpoint` reads from a Hugging
+Face directory and goes through the same checks:
+
+  metadata `{arch}.block_count`, ... -> a config.json dict -> `checkpoint.config_from_hf`
+  tensor `blk.{i}.attn_q.weight`     -> `model.layers.{i}.self_attn.q_proj.weight`
+                                     -> `checkpoint.assemble_params`
+
+Every tensor is dequantized by `gguf.quants.dequantize` to f32 (then cast to the load dtype):
+F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K and the IQ types the package knows. The
+Q / K rows of a llama GGUF are in llama.cpp's rotary order (convert_hf_to_gguf.py permutes them);
+they are permuted back. The tokenizer is built with `tokenizers` from the file's byte-level BPE
+vocabulary and merges (`tokenizer.ggml.model == "gpt2"`, as Llama 3, Qwen and SmolLM files
+have). Supported architectures: `ARCHITECTURES`. Anything else (another architecture, a tensor
+type the package cannot dequantize, a truncated file, a SentencePiece tokenizer, an unknown
+pre-tokenizer) raises `CheckpointError` naming the file and the thing, before anything is
+returned.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import numpy as np
+
+from paged_jax.checkpoint import FAMILIES, CheckpointError, assemble_params, config_from_hf
+
+# GGUF architecture -> the Hugging Face architecture its tensors and metadata map to, and whether
+# llama.cpp permuted the Q / K rows when converting (it does for "llama" only).
+ARCHITECTURES = {"llama": ("LlamaForCausalLM", True),
+                 "qwen2": ("Qwen2ForCausalLM", False),
+                 "qwen3": ("Qwen3ForCausalLM", False)}
+
+# metadata key (after "{arch}.") -> config.json field
+_CONFIG_KEYS = {"block_count": "num_hidden_layers", "context_length": "max_position_embeddings",
+                "embedding_length": "hidden_size", "feed_forward_length": "intermediate_size",
+                "attention.head_count": "num_attention_heads",
+                "attention.head_count_kv": "num_key_value_heads",
+                "attention.key_length": "head_dim", "rope.freq_base": "rope_theta",
+                "attention.layer_norm_rms_epsilon": "rms_norm_eps", "vocab_size": "vocab_size"}
+
+# GGUF tensor names -> Hugging Face names ({i}: the layer)
+_TENSOR_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
+                 "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+_LAYER_TENSORS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+                  "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+                  "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+                  "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+                  "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+
+# tokenizer.ggml.pre -> the split regex its merges were learned with (None: GPT-2's, which the
+# ByteLevel pre-tokenizer applies itself). Regexes as llama.cpp and transformers state them.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZERS = {"default": None, "gpt2": None, "smollm": None, "starcoder": None,
+                  "llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
+                  "llama-v3": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
+                  "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+_CONTROL, _USER_DEFINED = 3, 4   # tokenizer.ggml.token_type values
+
+
+def _reader(path: str):
+  try:
+    import gguf
+  except ImportError:
+    raise CheckpointError(f"{path}: reading GGUF needs the gguf package (pip install -e "
+                          f"'.[gguf]', or pip install gguf)") from None
+  if not os.path.isfile(path):
+    raise CheckpointError(f"{path}: no such file")
+  try:
+    return gguf.GGUFReader(path)
+  except Exception as e:   # the reader raises ValueError / IndexError / struct errors alike
+    raise CheckpointError(f"{path}: cannot read it as GGUF (truncated or corrupt?): "
+                          f"{type(e).__name__}: {e}") from None
+
+
+def _value(reader, key: str, default=None):
+  field = reader.fields.get(key)
+  if field is None:
+    return default
+  value = field.contents()
+  return value
+
+
+def metadata(path: str, reader=None) -> dict[str, Any]:
+  """The file's serving metadata: architecture, bos / eos ids, chat template, add_bos_token
+  (read once per file version: the serve command asks for it several times)."""
+  if reader is None:
+    if not os.path.isfile(path):
+      raise CheckpointError(f"{path}: no such file")
+    stat = os.stat(path)
+    return dict(_metadata_cached(path, stat.st_mtime_ns, stat.st_size))
+  return _metadata(reader)
+
+
+@functools.lru_cache(maxsize=8)
+def _metadata_cached(path, mtime_ns, size):
+  return _metadata(_reader(path))
+
+
+def _metadata(reader) -> dict[str, Any]:
+  get = lambda k, d=None: _value(reader, k, d)
+  eos = get("tokenizer.ggml.eos_token_id")
+  eot = get("tokenizer.ggml.eot_token_id")
+  return {"architecture": get("general.architecture"),
+          "bos_token_id": get("tokenizer.ggml.bos_token_id"),
+          "eos_token_ids": tuple(dict.fromkeys(i for i in (eos, eot) if i is not None)),
+          "chat_template": get("tokenizer.chat_template"),
+          "add_bos_token": bool(get("tokenizer.ggml.add_bos_token", False))}
+
+
+def hf_config(path: str, reader) -> dict[str, Any]:
+  """A config.json dict from the file's metadata (raises naming an unsupported architecture)."""
+  arch = _value(reader, "general.architecture")
+  if arch not in ARCHITECTURES:
+    raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported; supported: "
+                          f"{sorted(ARCHITECTURES)}")
+  hf: dict[str, Any] = {"architectures": [ARCHITECTURES[arch][0]]}
+  for key, field in _CONFIG_KEYS.items():
+    value = _value(reader, f"{arch}.{key}")
+    if value is not None:
+      hf[field] = value
+  names = {t.name for t in reader.tensors}
+  if "vocab_size" not in hf:
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embed is not None:
+      hf["vocab_size"] = int(embed.shape[1])   # GGML order: [hidden, vocab]
+    elif tokens is not None:
+      hf["vocab_size"] = len(tokens.data)
+  hf["tie_word_embeddings"] = "output.weight" not in names
+  if "rope_freqs.weight" in names:
+    raise CheckpointError(f"{path}: tensor 'rope_freqs.weight' (llama.cpp's per-frequency RoPE "
+                          f"factors, as Llama 3.1+ files carry) is not supported yet")
+  rotary = _value(reader, f"{arch}.rope.dimension_count")
+  head_dim = hf.get("head_dim") or (hf.get("hidden_size", 0) // max(1, hf.get(
+      "num_attention_heads", 1)))
+  if rotary is not None and rotary != head_dim:
+    hf["partial_rotary_factor"] = rotary / head_dim   # refused by the family table
+  scaling = _value(reader, f"{arch}.rope.scaling.type")
+  if scaling not in (None, "none"):
+    rope = {"rope_type": scaling, "factor": _value(reader, f"{arch}.rope.scaling.factor")}
+    original = _value(reader, f"{arch}.rope.scaling.original_context_length")
+    if original is not None:
+      rope["original_max_position_embeddings"] = original
+    hf["rope_scaling"] = rope
+  if arch in ("qwen2", "qwen3") and any(n.endswith("attn_q.bias") for n in names):
+    hf["attention_bias"] = True
+  return hf
+
+
+def _tensors(path: str, reader, hf: dict, permute_qk: bool):
+  """(file, Hugging Face name, f32 array in [out, in] layout) of every tensor."""
+  from gguf import GGMLQuantizationType
+  from gguf.quants import dequantize
+  heads, kv_heads = hf.get("num_attention_heads"), hf.get("num_key_value_heads")
+  for t in reader.tensors:
+    name = _hf_name(t.name)
+    if name is None:
+      raise CheckpointError(f"{path}: unexpected tensor {t.name!r} (no Hugging Face "
+                            f"counterpart in the {sorted(ARCHITECTURES)} architectures)")
+    try:
+      if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        x = np.asarray(t.data, np.float32)
+      else:
+        x = dequantize(t.data, t.tensor_type)
+    except NotImplementedError:
+      raise CheckpointError(f"{path}: tensor {t.name!r} has type {t.tensor_type.name}, which "
+                            f"the gguf package cannot dequantize") from None
+    except (ValueError, KeyError) as e:
+      raise CheckpointError(f"{path}: tensor {t.name!r} of type {t.tensor_type.name}: {e}") from None
+    x = x.reshape(tuple(int(d) for d in reversed(t.shape)))   # GGML [in, out] -> [out, in]
+    if permute_qk and t.name.endswith(("attn_q.weight", "attn_k.weight")):
+      x = _unpermute(x, heads if "attn_q" in t.name else kv_heads)
+    yield path, name, x
+
+
+def _hf_name(name: str) -> str | None:
+  if name in _TENSOR_NAMES:
+    return _TENSOR_NAMES[name]
+  parts = name.split(".")
+  if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
+    return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
+  return None
+
+
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+  """Undoes convert_hf_to_gguf.py's `permute`: per head, rows (pairs interleaved) back to
+  Hugging Face's rotate-half order. w: [heads * head_dim, in]."""
+  rows = w.shape[0]
+  return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def permute(w: np.ndarray, heads: int) -> np.ndarray:
+  """convert_hf_to_gguf.py's Q / K row permutation (Hugging Face -> llama.cpp order)."""
+  rows = w.shape[0]
+  return w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def tokenizer(path: str, reader, meta: dict | None = None):
+  """A `tokenizers.Tokenizer` from the file's tokenizer metadata, or None if it has none."""
+  model = _value(reader, "tokenizer.ggml.model")
+  if model is None:
+    return None
+  if model != "gpt2":
+    raise CheckpointError(f"{path}: tokenizer.ggml.model={model!r} cannot be built (only "
+                          f"byte-level BPE, 'gpt2', is supported; a SentencePiece 'llama' "
+                          f"vocabulary is not yet)")
+  pre = _value(reader, "tokenizer.ggml.pre", "default")
+  if pre not in PRE_TOKENIZERS:
+    raise CheckpointError(f"{path}: tokenizer.ggml.pre={pre!r} is not a pre-tokenizer we know the "
+                          f"split of; known: {sorted(PRE_TOKENIZERS)}")
+  import tokenizers
+  from tokenizers import decoders, models, pre_tokenizers, processors
+  tokens = _value(reader, "tokenizer.ggml.tokens")
+  merges = _value(reader, "tokenizer.ggml.merges")
+  types = _value(reader, "tokenizer.ggml.token_type") or []
+  if not tokens or merges is None:
+    raise CheckpointError(f"{path}: tokenizer.ggml.tokens / merges missing for a BPE tokenizer")
+  try:
+    bpe = models.BPE(vocab={tok: i for i, tok in enumerate(tokens)},
+                     merges=[tuple(m.split(" ", 1)) for m in merges])
+    tok = tokenizers.Tokenizer(bpe)
+    split = PRE_TOKENIZERS[pre]
+    if split is None:
+      tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+      tok.pre_tokenizer = pre_tokenizers.Sequence([
+          pre_tokenizers.Split(tokenizers.Regex(split), behavior="isolated"),
+          pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    special = [tokenizers.AddedToken(t, normalized=False, special=True)
+               for t, ty in zip(tokens, types) if ty == _CONTROL]
+    user = [tokenizers.AddedToken(t, normalized=False, special=False)
+            for t, ty in zip(tokens, types) if ty == _USER_DEFINED]
+    tok.add_special_tokens(special)
+    if user:
+      tok.add_tokens(user)
+    meta = meta or metadata(path, reader)
+    bos = meta["bos_token_id"]
+    if meta["add_bos_token"] and bos is not None:
+      tok.post_processor = processors.TemplateProcessing(
+          single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B",
+          special_tokens=[(tokens[bos], bos)])
+  except CheckpointError:
+    raise
+  except Exception as e:   # tokenizers raises plain Exceptions from Rust
+    raise CheckpointError(f"{path}: cannot build the tokenizer ({e})") from None
+  if tok.get_vocab_size() != len(tokens):
+    raise CheckpointError(f"{path}: the tokenizer has {tok.get_vocab_size()} tokens, the file "
+                          f"lists {len(tokens)}")
+  return tok
+
+
+def load(path: str, dtype: str = "float32"):
+  """(params, cfg, tokenizer) of a GGUF file, as `checkpoint.load_checkpoint` returns them."""
+  reader = _reader(path)
+  hf = hf_config(path, reader)
+  try:
+    cfg = config_from_hf(hf, dtype)
+  except CheckpointError as e:
+    raise CheckpointError(f"{path}: {e}") from None
+  arch, permute_qk = ARCHITECTURES[_value(reader, "general.architecture")]
+  family = FAMILIES[{"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                     "Qwen3ForCausalLM": "qwen3"}[arch]]
+  meta = metadata(path, reader)
+  tok = tokenizer(path, reader, meta)   # before the weights: a bad tokenizer fails fast
+  params = assemble_params(cfg, family, _tensors(path, reader, hf, permute_qk), path)
+  return params, cfg, tok
+
+
+def save(params, cfg, path: str, *, tensor_type: str = "F32", tokenizer_gguf: str | None = None):
+  """Writes params as a llama-architecture GGUF file (what llama.cpp's converter writes for a
+  Llama): Q / K rows permuted to llama.cpp's order, 2-D weights in `tensor_type` (F32, F16, BF16,
+  Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: the types `gguf.quants.quantize` writes), norms in F32.
+
+  Args:
+    tokenizer_gguf: a GGUF file whose tokenizer metadata to copy in (else none is written).
+  """
+  import gguf
+  from gguf.quants import quantize
+  if cfg.sliding_window is not None or cfg.qk_norm or cfg.unit_offset_norms or cfg.rope_scaling:
+    raise ValueError("gguf_file.save writes plain Llama configs only")
+  qtype = gguf.GGMLQuantizationType[tensor_type]
+  w = gguf.GGUFWriter(path, "llama")
+  w.add_block_count(cfg.num_layers)
+  w.add_context_length(cfg.max_position)
+  w.add_embedding_length(cfg.hidden_size)
+  w.add_feed_forward_length(cfg.intermediate_size)
+  w.add_head_count(cfg.num_q_heads)
+  w.add_head_count_kv(cfg.num_kv_heads)
+  w.add_key_length(cfg.head_dim)
+  w.add_value_length(cfg.head_dim)
+  w.add_rope_dimension_count(cfg.head_dim)
+  w.add_rope_freq_base(cfg.rope_theta)
+  w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+  w.add_vocab_size(cfg.vocab_size)
+  if tokenizer_gguf is not None:
+    src = _reader(tokenizer_gguf)
+    for key, field in src.fields.items():
+      if key.startswith("tokenizer."):
+        value = field.contents()
+        vtype = field.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+          w.add_key_value(key, value, vtype, sub_type=field.types[-1])
+        else:
+          w.add_key_value(key, value, vtype)
+  names = {v: k for k, v in _LAYER_TENSORS.items()}
+  def put(name, x, two_d):
+    x = np.ascontiguousarray(np.asarray(x, np.float32))
+    if two_d and qtype != gguf.GGMLQuantizationType.F32:
+      data = quantize(x, qtype)
+      w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
+    else:
+      w.add_tensor(name, x)
+  put("token_embd.weight", params["embed_tokens"]["embedding"], True)
+  for i in range(cfg.num_layers):
+    attn, mlp = params[f"layers_{i}_self_attn"], params[f"layers_{i}_mlp"]
+    for hf_name, x in (("input_layernorm", params[f"layers_{i}_input_layernorm"]["weight"]),
+                       ("post_attention_layernorm",
+                        params[f"layers_{i}_post_attention_layernorm"]["weight"])):
+      put(f"blk.{i}.{names[hf_name]}.weight", x, False)
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+      x = np.asarray(attn[proj]["kernel"], np.float32).T
+      if proj in ("q_proj", "k_proj"):
+        x = permute(x, cfg.num_q_heads if proj == "q_proj" else cfg.num_kv_heads)
+      put(f"blk.{i}.{names['self_attn.' + proj]}.weight", x, True)
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+      put(f"blk.{i}.{names['mlp.' + proj]}.weight", np.asarray(mlp[proj]["kernel"]).T, True)
+  put("output_norm.weight", params["norm"]["weight"], False)
+  if not cfg.tie_embeddings:
+    put("output.weight", np.asarray(params["lm_head"]["kernel"]).T, True)
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()

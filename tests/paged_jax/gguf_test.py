@@ -1,0 +1,274 @@
+"""GGUF files read directly (paged_jax.gguf_file), against transformers' own GGUF loader.
+
+Small files are written here with `gguf.GGUFWriter` from a random transformers checkpoint: F32
+and the quantized types the gguf package writes (Q8_0, Q4_0, Q4_1), plus K-quant tensors (Q4_K,
+Q5_K, Q6_K) written as raw random blocks with sane scales (the package cannot quantize to those),
+so both loaders dequantize the same bytes with their own code. The errors each name the file and
+the thing. The real pretrained model (SmolLM2-135M-Instruct, Q4_1) is in `tests/paged_jax/
+smollm2_test.py` (the slow tier).
+"""
+
+import os
+import shutil
+import tempfile
+
+from absl.testing import absltest, parameterized
+import numpy as np
+
+from paged_jax import checkpoint, testing
+
+try:
+  import gguf
+except ImportError:   # pragma: no cover - the test extra installs it
+  gguf = None
+try:
+  import torch
+  import transformers
+except ImportError:   # pragma: no cover - CI installs both
+  torch = transformers = None
+
+PROMPTS = ([5], [3, 14, 15, 9, 2, 6], [7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9, 0, 33, 21, 60, 11])
+NEEDS = "gguf / torch / transformers not installed: pip install -e '.[test]' installs them"
+
+
+def random_llama(directory, seed=0, **overrides):
+  """A random transformers Llama saved in `directory`; returns it."""
+  torch.manual_seed(seed)
+  cfg = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+             max_position_embeddings=128, initializer_range=0.1, rms_norm_eps=1e-5)
+  cfg.update(overrides)
+  hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).eval()
+  with torch.no_grad():
+    for name, p in hf.named_parameters():
+      if "norm" in name:
+        p.copy_(1.0 + 0.3 * torch.randn_like(p))
+  hf.save_pretrained(directory)
+  return hf
+
+
+def transformers_from_gguf(path):
+  return transformers.AutoModelForCausalLM.from_pretrained(
+      os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
+
+
+def _hf_logits(hf, prompt):
+  with torch.no_grad():
+    return hf(torch.tensor([prompt])).logits[0].numpy()
+
+
+@absltest.skipIf((gguf is None or torch is None) and not testing.REQUIRE_TORCH, NEEDS)
+class WrittenGGUFTest(parameterized.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    if gguf is None or torch is None:
+      self.fail(f"PAGED_JAX_REQUIRE_TORCH=1 but {NEEDS}")
+    self.dir = tempfile.mkdtemp()
+    self.addCleanup(shutil.rmtree, self.dir)
+
+  @parameterized.parameters(("F32", False), ("F16", True), ("BF16", False), ("Q8_0", False),
+                            ("Q4_0", True), ("Q4_1", False))
+  def test_matches_transformers_from_the_same_file(self, tensor_type, tied):
+    from paged_jax import gguf_file
+    hf_dir = os.path.join(self.dir, "hf")
+    random_llama(hf_dir, tie_word_embeddings=tied)
+    params, cfg, _ = checkpoint.load_checkpoint(hf_dir)
+    path = os.path.join(self.dir, f"tiny-{tensor_type}.gguf")
+    gguf_file.save(params, cfg, path, tensor_type=tensor_type)
+    ours, ours_cfg, tok = checkpoint.load_checkpoint(path)
+    self.assertIsNone(tok)   # no tokenizer metadata written
+    self.assertEqual(ours_cfg.tie_embeddings, tied)
+    hf = transformers_from_gguf(path)
+    for prompt in PROMPTS:
+      np.testing.assert_allclose(testing.dense_logits(ours, ours_cfg, prompt),
+                                 _hf_logits(hf, prompt), atol=1e-4, rtol=1e-4)
+    if tensor_type == "F32":   # lossless: the round trip gives back the very weights
+      for a, b in zip(*(jax_leaves(p) for p in (params, ours))):
+        np.testing.assert_array_equal(a, b)
+
+  def test_k_quants_match_transformers(self):
+    # Q4_K / Q5_K / Q6_K blocks are 256 values wide: a model whose rows are 256 long.
+    from paged_jax import gguf_file
+    hf_dir = os.path.join(self.dir, "hf")
+    random_llama(hf_dir, hidden_size=256, intermediate_size=256, num_hidden_layers=1,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    params, cfg, _ = checkpoint.load_checkpoint(hf_dir)
+    path = os.path.join(self.dir, "k.gguf")
+    gguf_file.save(params, cfg, path, tensor_type="F32")
+    kinds = {"blk.0.attn_q.weight": "Q4_K", "blk.0.attn_k.weight": "Q5_K",
+             "blk.0.attn_v.weight": "Q6_K", "blk.0.attn_output.weight": "Q4_K",
+             "blk.0.ffn_gate.weight": "Q5_K", "blk.0.ffn_up.weight": "Q6_K",
+             "blk.0.ffn_down.weight": "Q4_K"}
+    rewrite_with_random_k_blocks(path, kinds, seed=1)
+    ours, ours_cfg, _ = checkpoint.load_checkpoint(path)
+    hf = transformers_from_gguf(path)
+    with torch.no_grad():
+      theirs = hf.model.layers[0].self_attn.k_proj.weight.numpy()
+    np.testing.assert_allclose(np.asarray(ours["layers_0_self_attn"]["k_proj"]["kernel"]).T,
+                               theirs, rtol=1e-6, atol=1e-6)
+    for prompt in PROMPTS:
+      np.testing.assert_allclose(testing.dense_logits(ours, ours_cfg, prompt),
+                                 _hf_logits(hf, prompt), atol=1e-4, rtol=1e-4)
+
+  def test_bfloat16_load(self):
+    from paged_jax import gguf_file
+    hf_dir = os.path.join(self.dir, "hf")
+    random_llama(hf_dir)
+    params, cfg, _ = checkpoint.load_checkpoint(hf_dir)
+    path = os.path.join(self.dir, "t.gguf")
+    gguf_file.save(params, cfg, path, tensor_type="Q8_0")
+    ours, ours_cfg, _ = checkpoint.load_checkpoint(path, dtype="bfloat16")
+    self.assertEqual(ours_cfg.dtype, "bfloat16")
+    self.assertEqual(str(ours["layers_0_mlp"]["up_proj"]["kernel"].dtype), "bfloat16")
+
+
+def jax_leaves(tree):
+  import jax
+  return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
+
+
+def rewrite_with_random_k_blocks(path, kinds, seed):
+  """Rewrites a GGUF file with the named tensors replaced by random K-quant blocks of the same
+  shape: random quants and sub-block scales, the f16 super-block scales set to small finite values
+  (random bits there would be NaN / inf)."""
+  reader = gguf.GGUFReader(path)
+  rng = np.random.default_rng(seed)
+  out = path + ".tmp"
+  w = gguf.GGUFWriter(out, "llama")
+  for key, field in reader.fields.items():
+    if key.startswith(("GGUF.", "general.architecture")):
+      continue
+    vtype = field.types[0]
+    sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+    w.add_key_value(key, field.contents(), vtype, sub_type=sub)
+  for t in reader.tensors:
+    if t.name not in kinds:
+      w.add_tensor(t.name, np.asarray(t.data))
+      continue
+    qtype = gguf.GGMLQuantizationType[kinds[t.name]]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rows, cols = int(t.shape[1]), int(t.shape[0])
+    data = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    scale = lambda n: rng.uniform(0.001, 0.01, (rows, cols // block, n)).astype(np.float16)
+    if qtype == gguf.GGMLQuantizationType.Q6_K:   # ... ql, qh, int8 scales, then f16 d
+      data[..., -2:] = scale(1).view(np.uint8)
+    else:                                           # Q4_K / Q5_K: f16 d, f16 dmin, ...
+      data[..., :4] = scale(2).view(np.uint8).reshape(rows, cols // block, 4)
+    data = data.reshape(rows, -1)
+    w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=qtype)
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  os.replace(out, path)
+
+
+@absltest.skipIf(gguf is None and not testing.REQUIRE_TORCH, NEEDS)
+class GGUFErrorsTest(absltest.TestCase):
+  """Each problem raises CheckpointError naming the file and the thing; nothing half-loaded."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    from paged_jax import config, gguf_file
+    cls.dir = tempfile.mkdtemp()
+    cls.cfg = config.tiny_config(rms_norm_eps=1e-5)
+    cls.params = testing.random_params(cls.cfg, seed=0)
+    cls.good = os.path.join(cls.dir, "good.gguf")
+    gguf_file.save(cls.params, cls.cfg, cls.good, tensor_type="Q8_0")
+
+  @classmethod
+  def tearDownClass(cls):
+    shutil.rmtree(cls.dir)
+    super().tearDownClass()
+
+  def _write(self, name, arch="llama", extra_tensor=None, fields=(), raw=None):
+    path = os.path.join(self.dir, name)
+    w = gguf.GGUFWriter(path, arch)
+    reader = gguf.GGUFReader(self.good)
+    for key, field in reader.fields.items():
+      if key.startswith(("GGUF.", "general.architecture")):
+        continue
+      if arch != "llama" and key.startswith("llama."):
+        key = f"{arch}." + key[len("llama."):]
+      vtype = field.types[0]
+      sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+      w.add_key_value(key, field.contents(), vtype, sub_type=sub)
+    for key, value, vtype, sub in fields:
+      w.add_key_value(key, value, vtype, sub_type=sub)
+    for t in reader.tensors:
+      if raw is not None and t.name == raw[0]:
+        w.add_tensor(t.name, raw[1], raw_shape=raw[1].shape, raw_dtype=raw[2])
+      else:
+        w.add_tensor(t.name, np.asarray(t.data), raw_shape=np.asarray(t.data).shape,
+                     raw_dtype=t.tensor_type)
+    if extra_tensor is not None:
+      w.add_tensor(extra_tensor, np.zeros(4, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+  def test_good_file_loads(self):   # the base every error case edits
+    params, cfg, _ = checkpoint.load_checkpoint(self.good)
+    self.assertEqual(cfg.num_layers, self.cfg.num_layers)
+
+  def test_unsupported_architecture(self):
+    path = self._write("gpt2.gguf", arch="gpt2")
+    with self.assertRaisesRegex(checkpoint.CheckpointError,
+                                r"gpt2.gguf: GGUF architecture 'gpt2' is not supported"):
+      checkpoint.load_checkpoint(path)
+
+  def test_unsupported_tensor_type(self):
+    rows = np.zeros((self.cfg.num_q_heads * self.cfg.head_dim, 40), np.uint8)   # a Q8_1 block a row
+    path = self._write("q81.gguf", raw=("blk.0.attn_q.weight", rows,
+                                        gguf.GGMLQuantizationType.Q8_1))
+    with self.assertRaisesRegex(checkpoint.CheckpointError,
+                                r"q81.gguf: tensor 'blk.0.attn_q.weight' has type Q8_1, which "
+                                r"the gguf package cannot dequantize"):
+      checkpoint.load_checkpoint(path)
+
+  def test_unexpected_tensor_and_rope_factors(self):
+    with self.assertRaisesRegex(checkpoint.CheckpointError,
+                                r"extra.gguf: unexpected tensor 'blk.0.ssm_conv1d.weight'"):
+      checkpoint.load_checkpoint(self._write("extra.gguf", extra_tensor="blk.0.ssm_conv1d.weight"))
+    with self.assertRaisesRegex(checkpoint.CheckpointError, r"rope_freqs.weight"):
+      checkpoint.load_checkpoint(self._write("freqs.gguf", extra_tensor="rope_freqs.weight"))
+
+  def test_truncated_file(self):
+    path = os.path.join(self.dir, "cut.gguf")
+    with open(self.good, "rb") as f:
+      data = f.read()
+    for keep in (len(data) // 2, 40):   # inside the tensor data; inside the metadata
+      with open(path, "wb") as f:
+        f.write(data[:keep])
+      with self.assertRaisesRegex(checkpoint.CheckpointError,
+                                  r"cut.gguf: cannot read it as GGUF \(truncated or corrupt\?\)"):
+        checkpoint.load_checkpoint(path)
+
+  def test_missing_file_and_missing_tensor(self):
+    with self.assertRaisesRegex(checkpoint.CheckpointError, r"nope.gguf: no such file"):
+      checkpoint.load_checkpoint(os.path.join(self.dir, "nope.gguf"))
+
+  def test_tokenizers_we_cannot_build(self):
+    s = gguf.GGUFValueType.STRING
+    arr = gguf.GGUFValueType.ARRAY
+    tokens = [f"t{i}" for i in range(self.cfg.vocab_size)]
+    spm = self._write("spm.gguf", fields=[("tokenizer.ggml.model", "llama", s, None),
+                                          ("tokenizer.ggml.tokens", tokens, arr, s)])
+    with self.assertRaisesRegex(checkpoint.CheckpointError,
+                                r"spm.gguf: tokenizer.ggml.model='llama' cannot be built"):
+      checkpoint.load_checkpoint(spm)
+    pre = self._write("pre.gguf", fields=[("tokenizer.ggml.model", "gpt2", s, None),
+                                          ("tokenizer.ggml.pre", "made-up", s, None),
+                                          ("tokenizer.ggml.tokens", tokens, arr, s),
+                                          ("tokenizer.ggml.merges", ["t 0"], arr, s)])
+    with self.assertRaisesRegex(checkpoint.CheckpointError,
+                                r"pre.gguf: tokenizer.ggml.pre='made-up' is not a pre-tokenizer"):
+      checkpoint.load_checkpoint(pre)
+
+
+if __name__ == "__main__":
+  absltest.main()
