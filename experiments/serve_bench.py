@@ -3,6 +3,7 @@
   python -m experiments.serve_bench                       # small preset, 3 repetitions
   python -m experiments.serve_bench --preset=large        # hidden 1024, 8 layers
   python -m experiments.serve_bench --num_requests=64 --engines=paged_jax   # host share at 64
+  python -m experiments.serve_bench --model=PATH          # a real checkpoint (dir or GGUF)
 
 One workload (the performance issue's): a random-init `LlamaForCausalLM` saved in HF format
 (float32, `torch.manual_seed(0)`, initializer_range 0.1, untied), 32 requests with prompt lengths
@@ -17,6 +18,12 @@ repetitions:
 - hf_generate: transformers' padded `generate`, one left-padded batch with an attention mask;
 - hf_cb: transformers' continuous batching `generate_batch` (page_size 32, 512 batch tokens, 32
   requests per batch, enough blocks for all).
+
+--model=PATH replaces the random model with a real checkpoint, a Hugging Face directory or a
+GGUF file (SmolLM2-135M-Instruct, say): the engine reads it as given; the peers read a Hugging
+Face directory, for a GGUF file the one `paged_jax.checkpoint.save_checkpoint` writes from the
+engine's own dequantized f32 weights, so every engine runs the very same weights. The workload
+keeps its shape, token ids uniform over the model's vocabulary.
 
 Torch runs on 2 threads. Tokens/s = generated tokens / wall time of the timed run. The same run
 measures the machine's floors: copy bandwidth (a jitted elementwise pass over 256 MiB) and f32
@@ -65,6 +72,7 @@ VLLM_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_wor
 class BenchConfig:
   preset: str = "small"
   vocab_size: int | None = None   # None: the preset's (512 unless it names one)
+  model: str | None = None   # a real checkpoint (directory or GGUF) instead of the preset
   num_requests: int = 32
   min_prompt: int = 16
   max_prompt: int = 256
@@ -82,8 +90,34 @@ class BenchConfig:
   vllm_block_size: int = 32   # vLLM's CPU attention wants multiples of 32
 
 
+def shape(cfg: BenchConfig) -> dict:
+  """The model's sizes (PRESETS' keys, and vocab_size): the preset's, or --model's."""
+  if cfg.model:
+    from paged_jax import checkpoint
+    m = checkpoint.load_config(cfg.model)
+    return dict(hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+                num_layers=m.num_layers, num_q_heads=m.num_q_heads, num_kv_heads=m.num_kv_heads,
+                head_dim=m.head_dim, vocab_size=m.vocab_size)
+  return dict(PRESETS[cfg.preset], vocab_size=vocab_size(cfg))
+
+
 def vocab_size(cfg: BenchConfig) -> int:
+  if cfg.model:
+    return shape(cfg)["vocab_size"]
   return cfg.vocab_size or PRESETS[cfg.preset].get("vocab_size", 512)
+
+
+def peer_model_dir(cfg: BenchConfig, path: str) -> str:
+  """A Hugging Face directory of --model for the peers: the directory itself, or for a GGUF file
+  one written (once, into `path`) from the engine's dequantized f32 weights."""
+  if os.path.isdir(cfg.model):
+    return cfg.model
+  from paged_jax import checkpoint
+  if not os.path.exists(os.path.join(path, "config.json")):
+    params, mcfg, tok = checkpoint.load_checkpoint(cfg.model)
+    eos = checkpoint.load_eos_token_ids(cfg.model)
+    checkpoint.save_checkpoint(params, mcfg, path, tok, eos_token_id=eos[0] if eos else None)
+  return path
 
 
 def workload(cfg: BenchConfig) -> list[list[int]]:
@@ -124,7 +158,7 @@ def worker_paged_jax(cfg: BenchConfig, path: str) -> dict:
   from paged_jax.sampling import SamplingParams
   sharding.ensure_host_devices(cfg.mesh)   # before jax starts (this is the worker's process)
   mesh = sharding.mesh_from_flag(cfg.mesh)
-  params, mcfg, _ = checkpoint.load_checkpoint(path)
+  params, mcfg, _ = checkpoint.load_checkpoint(cfg.model or path)
   prompts = workload(cfg)
   longest = max(map(len, prompts)) + cfg.new_tokens
   num_pages = 1 + len(prompts) * -(-longest // cfg.page_size)
@@ -230,11 +264,11 @@ def matmul_flops_per_s(n: int = 2048, rounds: int = 5) -> float:
 
 def floors(cfg: BenchConfig) -> dict:
   """The workload's prefill FLOPs and per-step decode bytes, from the shapes."""
-  p = PRESETS[cfg.preset]
+  p = shape(cfg)
   h, inter, layers = p["hidden_size"], p["intermediate_size"], p["num_layers"]
   qh, kvh, hd = p["num_q_heads"], p["num_kv_heads"], p["head_dim"]
   per_layer = h * qh * hd + 2 * h * kvh * hd + qh * hd * h + 3 * h * inter   # matmul weights
-  lm_head = h * vocab_size(cfg)
+  lm_head = h * p["vocab_size"]
   prompts = np.array([len(x) for x in workload(cfg)], np.float64)
   prefill_flops = (2 * per_layer * layers * prompts.sum() + 2 * lm_head * len(prompts)
                    + layers * 4 * qh * hd * (prompts * (prompts + 1) / 2).sum())
@@ -301,7 +335,9 @@ def run(cfg: BenchConfig, model_dir: str | None = None, progress=print) -> dict:
       skipped["vllm"] = why
       cfg = dataclasses.replace(cfg, engines=tuple(e for e in cfg.engines if e != "vllm"))
   path = model_dir or tempfile.mkdtemp(prefix="serve_bench_")
-  if not os.path.exists(os.path.join(path, "config.json")):
+  if cfg.model:
+    path = peer_model_dir(cfg, path)
+  elif not os.path.exists(os.path.join(path, "config.json")):
     make_model(cfg, path)
   runs = {e: [] for e in cfg.engines}
   for rep in range(cfg.repetitions):
@@ -343,7 +379,8 @@ def run(cfg: BenchConfig, model_dir: str | None = None, progress=print) -> dict:
 
 
 def format_result(r: dict) -> str:
-  lines = [f"serve bench [{r['config']['preset']}]: {r['config']['num_requests']} requests, "
+  lines = [f"serve bench [{r['config'].get('model') or r['config']['preset']}]: "
+           f"{r['config']['num_requests']} requests, "
            f"{r['config']['new_tokens']} new tokens each; median of {r['config']['repetitions']}"]
   for e, v in r["engines"].items():
     lines.append(f"  {e:12s} {v['tokens_per_s']:8.0f} tok/s  ({v['seconds']:.3f} s)")
@@ -374,7 +411,7 @@ def main(argv):
   cfg = BenchConfig(**json.loads(f.config)) if f.config else BenchConfig(
       preset=f.preset, num_requests=f.num_requests, repetitions=f.repetitions,
       engines=tuple(f.engines), max_num_batched_tokens=f.max_num_batched_tokens,
-      steps_per_sync=f.steps_per_sync, mesh=f.mesh)
+      steps_per_sync=f.steps_per_sync, mesh=f.mesh, model=f.model)
   if f.worker:   # a child process: one engine, JSON on the last line of stdout
     print(json.dumps(WORKERS[f.worker](cfg, f.model_dir)))
     return
@@ -397,6 +434,8 @@ if __name__ == "__main__":
   flags.DEFINE_integer("steps_per_sync", 16, "The engine's decode steps per sync.")
   flags.DEFINE_string("mesh", "1x1", "The engine's DATAxMODEL devices (CPU: simulated).")
   flags.DEFINE_string("model_dir", None, "Reuse a saved model directory.")
+  flags.DEFINE_string("model", None, "A real checkpoint (Hugging Face directory or GGUF file) "
+                      "instead of the preset's random model.")
   flags.DEFINE_string("worker", None, "Internal: run one engine and print JSON.")
   flags.DEFINE_string("config", None, "Internal: the BenchConfig as JSON.")
   flags.DEFINE_string("out", "experiments/results/serve_bench.jsonl", "JSONL to append to.")

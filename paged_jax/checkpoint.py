@@ -336,6 +336,20 @@ def load_checkpoint(path: str, dtype: str = "float32"):
   return params, cfg, load_tokenizer(path)
 
 
+def load_config(path: str, dtype: str = "float32") -> ModelConfig:
+  """The ModelConfig of a checkpoint directory or GGUF file, without reading its weights."""
+  if path.endswith(".gguf") or os.path.isfile(path):
+    from paged_jax import gguf_file
+    return gguf_file.load_config(path, dtype)
+  config_file = os.path.join(path, "config.json")
+  if not os.path.exists(config_file):
+    raise CheckpointError(f"{path}: missing config.json")
+  try:
+    return config_from_hf(_read_json(config_file), dtype)
+  except CheckpointError as e:
+    raise CheckpointError(f"{config_file}: {e}") from None
+
+
 def _safetensors_tensors(path: str):
   """(file, name, array) of every tensor in the directory's safetensors files."""
   from safetensors import SafetensorError, safe_open
@@ -459,6 +473,13 @@ def save_checkpoint(params, cfg: ModelConfig, path: str, tokenizer=None, *,
     hf["eos_token_id"] = eos_token_id
   if cfg.sliding_window is not None:
     raise ValueError("save_checkpoint writes Llama format, which has no sliding window")
+  beyond = [f for f in ("local_rope_theta", "qk_norm", "unit_offset_norms", "scale_embeddings",
+                        "sandwich_norms", "query_scale", "attn_soft_cap", "final_soft_cap")
+            if getattr(cfg, f)]
+  if beyond:
+    raise ValueError(f"save_checkpoint writes Llama format, which has none of {beyond}")
+  if cfg.rope_scaling is not None:
+    hf["rope_scaling"] = dict(cfg.rope_scaling)
   hf["hidden_act"] = cfg.hidden_act
   tensors = {}
   for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:

@@ -44,6 +44,11 @@ _CONFIG_KEYS = {"block_count": "num_hidden_layers", "context_length": "max_posit
                 "attention.key_length": "head_dim", "rope.freq_base": "rope_theta",
                 "attention.layer_norm_rms_epsilon": "rms_norm_eps", "vocab_size": "vocab_size"}
 
+# {arch}.rope.scaling.* -> the rope_scaling field (llama.cpp's names)
+_ROPE_SCALING_KEYS = {"factor": "factor", "original_context_length":
+                      "original_max_position_embeddings", "yarn_beta_fast": "beta_fast",
+                      "yarn_beta_slow": "beta_slow"}
+
 # GGUF tensor names -> Hugging Face names ({i}: the layer)
 _TENSOR_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
                  "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
@@ -146,10 +151,16 @@ def hf_config(path: str, reader) -> dict[str, Any]:
     hf["partial_rotary_factor"] = rotary / head_dim   # refused by the family table
   scaling = _value(reader, f"{arch}.rope.scaling.type")
   if scaling not in (None, "none"):
-    rope = {"rope_type": scaling, "factor": _value(reader, f"{arch}.rope.scaling.factor")}
-    original = _value(reader, f"{arch}.rope.scaling.original_context_length")
-    if original is not None:
-      rope["original_max_position_embeddings"] = original
+    rope = {"rope_type": scaling}
+    prefix = f"{arch}.rope.scaling."
+    for key in reader.fields:
+      if not key.startswith(prefix) or key[len(prefix):] in ("type", "finetuned"):
+        continue
+      name = _ROPE_SCALING_KEYS.get(key[len(prefix):])
+      if name is None:
+        raise CheckpointError(f"{path}: {key} is not supported (known: "
+                              f"{sorted(prefix + k for k in _ROPE_SCALING_KEYS)})")
+      rope[name] = _value(reader, key)
     hf["rope_scaling"] = rope
   if arch in ("qwen2", "qwen3") and any(n.endswith("attn_q.bias") for n in names):
     hf["attention_bias"] = True
@@ -257,6 +268,15 @@ def tokenizer(path: str, reader, meta: dict | None = None):
     raise CheckpointError(f"{path}: the tokenizer has {tok.get_vocab_size()} tokens, the file "
                           f"lists {len(tokens)}")
   return tok
+
+
+def load_config(path: str, dtype: str = "float32"):
+  """The file's ModelConfig, without dequantizing anything."""
+  hf = hf_config(path, _reader(path))
+  try:
+    return config_from_hf(hf, dtype)
+  except CheckpointError as e:
+    raise CheckpointError(f"{path}: {e}") from None
 
 
 def load(path: str, dtype: str = "float32"):

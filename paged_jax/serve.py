@@ -99,9 +99,12 @@ def load_model(cfg: ServeConfig):
 def _needs_chat(cfg: ServeConfig) -> bool:
   if cfg.chat:
     return True
-  if cfg.prompts_file:
-    with open(cfg.prompts_file) as f:
-      return any('"messages"' in line for line in f)
+  if cfg.prompts_file and not cfg.prompts:   # both: make_requests refuses them
+    try:
+      with open(cfg.prompts_file) as f:
+        return any('"messages"' in line for line in f)
+    except OSError as e:
+      raise ValueError(f"--prompts_file={cfg.prompts_file}: cannot read it ({e.strerror})") from None
   return False
 
 

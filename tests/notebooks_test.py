@@ -17,7 +17,8 @@ class NotebooksTest(parameterized.TestCase):
 
   def test_the_notebooks_are_there(self):
     self.assertEqual([os.path.basename(p) for p in PATHS],
-                     ["fragmentation_and_sharing.ipynb", "serving.ipynb", "walkthrough.ipynb"])
+                     ["chat_smollm2.ipynb", "fragmentation_and_sharing.ipynb", "serving.ipynb",
+                      "walkthrough.ipynb"])
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from experiments import (allocator_waste, attention_bench, attention_overhead, block_manager_bench,
-                         copy_eval, cpu_parts_bench, demo, fragmentation, latency_bench,
+                         copy_eval, cpu_parts_bench, demo, dtype_bench, fragmentation, latency_bench,
                          mutation_score, ondevice_bench, page_size_sweep, pool_map, preemption,
                          profile_step, rate_sweep, serve_bench, sharing, step_bench, train_copy_model)
 
@@ -232,6 +232,55 @@ class ExperimentsTest(absltest.TestCase):
     lengths = [len(p) for p in serve_bench.workload(cfg)]
     self.assertTrue(all(4 <= n <= 20 for n in lengths))
     self.assertEqual(serve_bench.workload(cfg), serve_bench.workload(cfg))   # seeded
+
+  @pytest.mark.slow
+  def test_serve_bench_on_a_gguf_file(self):
+    # --model=a GGUF file: the engine reads the file, transformers the directory written from
+    # the engine's own dequantized weights; the same greedy tokens, the file's shape in floors.
+    import tempfile
+    from paged_jax import config, gguf_file, testing
+    tmp = tempfile.mkdtemp()
+    mcfg = config.tiny_config(rms_norm_eps=1e-5)
+    path = os.path.join(tmp, "tiny.gguf")
+    gguf_file.save(testing.random_params(mcfg, seed=3, scale=0.3), mcfg, path, tensor_type="Q8_0")
+    cfg = serve_bench.BenchConfig(model=path, num_requests=3, min_prompt=4, max_prompt=20,
+                                  new_tokens=5, repetitions=1, page_size=4, steps_per_sync=2,
+                                  engines=("paged_jax", "hf_generate"))
+    r = serve_bench.run(cfg, model_dir=os.path.join(tmp, "hf"), progress=lambda *_: None)
+    self.assertTrue(r["identical_tokens"], r["tokens_differ"])
+    self.assertTrue(os.path.exists(os.path.join(tmp, "hf", "model.safetensors")))
+    self.assertEqual(serve_bench.shape(cfg)["vocab_size"], mcfg.vocab_size)
+    self.assertTrue(all(max(p) < mcfg.vocab_size for p in serve_bench.workload(cfg)))
+    self.assertIn("tiny.gguf", serve_bench.format_result(r))
+
+  @pytest.mark.slow   # two processes, each compiling the engine: ~20-30 s
+  def test_dtype_bench(self):
+    # On the copy model given a chat template (as chat_test does): both dtypes run in their own
+    # processes; f32 answers the copy task; the comparison counts identical answers.
+    import shutil
+    import tempfile
+    from paged_jax import checkpoint, embedded
+    tmp = tempfile.mkdtemp()
+    shutil.copytree(embedded.EMBEDDED_MODEL_DIR, tmp, dirs_exist_ok=True)
+    with open(os.path.join(tmp, "tokenizer_config.json"), "w") as f:
+      json.dump({"chat_template": "{{ bos_token }}{% for m in messages %}{{ m['content'] }}"
+                                  "{% endfor %}<sep>"}, f)
+    tok = checkpoint.load_tokenizer(tmp)
+    tok.add_special_tokens(["<bos>", "<sep>", "<eos>"])
+    tok.save(os.path.join(tmp, "tokenizer.json"))
+    r = dtype_bench.run(tmp, questions=["h e l l o", "p a g e d", "k v"], max_tokens=12,
+                        page_size=4, progress=lambda *_: None)
+    f32, bf16 = r["dtypes"]["float32"], r["dtypes"]["bfloat16"]
+    self.assertEqual(f32["texts"], ["h e l l o", "p a g e d", "k v"])
+    self.assertLess(bf16["param_bytes"], 0.6 * f32["param_bytes"])   # bf16 halves them
+    self.assertAlmostEqual(bf16["pool_bytes"] / f32["pool_bytes"], 0.5)
+    self.assertEqual(r["agreement"]["of"], 3)
+    self.assertEqual(r["agreement"]["identical"],
+                     sum(a == b for a, b in zip(f32["tokens"], bf16["tokens"])))
+    self.assertGreater(f32["tokens_per_s"], 0)
+    self.assertEqual(dtype_bench.compare([[1, 2, 3], [4, 5]], [[1, 2, 9], [4, 5]]),
+                     {"identical": 1, "of": 2, "mean_prefix_share": (2 / 3 + 1) / 2})
+    self.assertIn("greedy answers identical", dtype_bench.format_result(r))
 
   def test_serve_bench_skips_vllm_it_cannot_install(self):
     # A venv path that cannot be created: the vllm row says why and is skipped, the rest runs.

@@ -237,6 +237,20 @@ class GGUFErrorsTest(absltest.TestCase):
     with self.assertRaisesRegex(checkpoint.CheckpointError, r"rope_freqs.weight"):
       checkpoint.load_checkpoint(self._write("freqs.gguf", extra_tensor="rope_freqs.weight"))
 
+  def test_rope_scaling_metadata(self):
+    s, f32 = gguf.GGUFValueType.STRING, gguf.GGUFValueType.FLOAT32
+    path = self._write("linear.gguf", fields=[("llama.rope.scaling.type", "linear", s, None),
+                                              ("llama.rope.scaling.factor", 4.0, f32, None)])
+    _, cfg, _ = checkpoint.load_checkpoint(path)
+    self.assertEqual(dict(cfg.rope_scaling), {"rope_type": "linear", "factor": 4.0})
+    path = self._write("odd.gguf", fields=[("llama.rope.scaling.type", "yarn", s, None),
+                                           ("llama.rope.scaling.factor", 4.0, f32, None),
+                                           ("llama.rope.scaling.yarn_log_multiplier", 0.1, f32,
+                                            None)])
+    with self.assertRaisesRegex(checkpoint.CheckpointError,
+                                r"odd.gguf: llama.rope.scaling.yarn_log_multiplier is not supported"):
+      checkpoint.load_checkpoint(path)
+
   def test_truncated_file(self):
     path = os.path.join(self.dir, "cut.gguf")
     with open(self.good, "rb") as f:

@@ -61,6 +61,8 @@ class ServeTest(absltest.TestCase):
                                   num_pages=4, progress=False), MODEL)
     with self.assertRaisesRegex(ValueError, "give --prompt or --prompts_file, not both"):
       serve.run(serve.ServeConfig(prompts=("a",), prompts_file="x"), MODEL)
+    with self.assertRaisesRegex(ValueError, r"--prompts_file=/no/such.jsonl: cannot read it"):
+      serve.run(serve.ServeConfig(prompts_file="/no/such.jsonl"), MODEL)
 
 
 class WorkloadsTest(absltest.TestCase):
