@@ -12,7 +12,9 @@ Face directory and goes through the same checks:
 Every tensor is dequantized by `gguf.quants.dequantize` to f32 (then cast to the load dtype):
 F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K and the IQ types the package knows. The
 Q / K rows of a llama GGUF are in llama.cpp's rotary order (convert_hf_to_gguf.py permutes them);
-they are permuted back. The tokenizer is built with `tokenizers` from the file's byte-level BPE
+they are permuted back. llama.cpp writes Llama 3's RoPE scaling as a tensor of per-frequency
+divisors, `rope_freqs.weight`: it becomes the config's RoPE ("factors", `paged_jax.rope`). The
+tokenizer is built with `tokenizers` from the file's byte-level BPE
 vocabulary and merges (`tokenizer.ggml.model == "gpt2"`, as Llama 3, Qwen and SmolLM files
 have). Supported architectures: `ARCHITECTURES`. Anything else (another architecture, a tensor
 type the package cannot dequantize, a truncated file, a SentencePiece tokenizer, an unknown
@@ -28,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from paged_jax import rope
 from paged_jax.checkpoint import FAMILIES, CheckpointError, assemble_params, config_from_hf
 
 # GGUF architecture -> the Hugging Face architecture its tensors and metadata map to, and whether
@@ -141,9 +144,12 @@ def hf_config(path: str, reader) -> dict[str, Any]:
     elif tokens is not None:
       hf["vocab_size"] = len(tokens.data)
   hf["tie_word_embeddings"] = "output.weight" not in names
-  if "rope_freqs.weight" in names:
-    raise CheckpointError(f"{path}: tensor 'rope_freqs.weight' (llama.cpp's per-frequency RoPE "
-                          f"factors, as Llama 3.1+ files carry) is not supported yet")
+  freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+  if freqs is not None:   # llama.cpp's per-frequency divisors (Llama 3.1+ files): theta / f_i
+    if _value(reader, f"{arch}.rope.scaling.type") not in (None, "none"):
+      raise CheckpointError(f"{path}: both rope_freqs.weight and {arch}.rope.scaling.type")
+    hf["rope_scaling"] = {"rope_type": "factors",
+                          "factors": tuple(float(f) for f in np.asarray(freqs.data, np.float32))}
   rotary = _value(reader, f"{arch}.rope.dimension_count")
   head_dim = hf.get("head_dim") or (hf.get("hidden_size", 0) // max(1, hf.get(
       "num_attention_heads", 1)))
@@ -173,6 +179,8 @@ def _tensors(path: str, reader, hf: dict, permute_qk: bool):
   from gguf.quants import dequantize
   heads, kv_heads = hf.get("num_attention_heads"), hf.get("num_key_value_heads")
   for t in reader.tensors:
+    if t.name == "rope_freqs.weight":
+      continue   # read into the config's rope_scaling (hf_config)
     name = _hf_name(t.name)
     if name is None:
       raise CheckpointError(f"{path}: unexpected tensor {t.name!r} (no Hugging Face "
@@ -306,8 +314,10 @@ def save(params, cfg, path: str, *, tensor_type: str = "F32", tokenizer_gguf: st
   """
   import gguf
   from gguf.quants import quantize
-  if cfg.sliding_window is not None or cfg.qk_norm or cfg.unit_offset_norms or cfg.rope_scaling:
-    raise ValueError("gguf_file.save writes plain Llama configs only")
+  kind = dict(cfg.rope_scaling or {}).get("rope_type")
+  if cfg.sliding_window is not None or cfg.qk_norm or cfg.unit_offset_norms or kind not in (
+      None, "llama3", "factors"):
+    raise ValueError("gguf_file.save writes Llama configs only (plain or llama3 RoPE)")
   qtype = gguf.GGMLQuantizationType[tensor_type]
   w = gguf.GGUFWriter(path, "llama")
   w.add_block_count(cfg.num_layers)
@@ -340,6 +350,10 @@ def save(params, cfg, path: str, *, tensor_type: str = "F32", tokenizer_gguf: st
       w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
     else:
       w.add_tensor(name, x)
+  if kind is not None:   # as llama.cpp's converter: the divisors theta_i / theta'_i as a tensor
+    plain, _ = rope.frequencies(cfg.head_dim, cfg.rope_theta, None, cfg.max_position)
+    scaled, _ = cfg.layer_rope(0)
+    w.add_tensor("rope_freqs.weight", (plain / scaled).astype(np.float32))
   put("token_embd.weight", params["embed_tokens"]["embedding"], True)
   for i in range(cfg.num_layers):
     attn, mlp = params[f"layers_{i}_self_attn"], params[f"layers_{i}_mlp"]

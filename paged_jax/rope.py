@@ -13,6 +13,8 @@ The frequencies are host-side NumPy, computed once per config as transformers'
 | dynamic   | default: NTK rescaling only starts past max_position, which  | 1                     |
 |           | the engine never runs (it refuses longer sequences)          |                       |
 | yarn      | a ramp between default and default / factor                  | attention_factor      |
+| factors   | default / factors[i] (llama.cpp's `rope_freqs.weight`, which  | 1                     |
+|           | Llama 3.1+ GGUF files carry instead of llama3's parameters)  |                       |
 
 `longrope` (Phi-3's `su`) switches between two frequency sets by the batch's longest sequence,
 which a paged engine serving many lengths at once cannot reproduce: it is refused, by name.
@@ -25,12 +27,12 @@ from typing import Any
 
 import numpy as np
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "factors")
 # What each type reads from the scaling dict (besides rope_type); missing ones are an error.
 REQUIRED = {"default": (), "linear": ("factor",), "dynamic": ("factor",),
             "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                        "original_max_position_embeddings"),
-            "yarn": ("factor",)}
+            "yarn": ("factor",), "factors": ("factors",)}
 # Keys a scaling dict may carry that do not change the frequencies (read elsewhere or unused).
 IGNORED = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
 
@@ -43,7 +45,8 @@ def freeze(params: dict[str, Any] | None) -> tuple[tuple[str, Any], ...] | None:
   kind = params.get("rope_type", params.get("type", "default"))
   if kind == "default":
     return None
-  items = {k: v for k, v in params.items() if k not in IGNORED and v is not None}
+  items = {k: (tuple(v) if isinstance(v, list) else v) for k, v in params.items()
+           if k not in IGNORED and v is not None}
   items["rope_type"] = kind
   return tuple(sorted(items.items()))
 
@@ -62,6 +65,8 @@ def check(scaling: tuple[tuple[str, Any], ...] | None) -> None:
   missing = [k for k in REQUIRED[kind] if k not in params]
   if missing:
     raise ValueError(f"rope_scaling of type {kind!r} lacks {missing}")
+  if kind == "factors" and not all(f > 0 for f in params["factors"]):
+    raise ValueError(f"rope_scaling: factors must all be > 0")
   if kind == "llama3" and params["high_freq_factor"] == params["low_freq_factor"]:
     raise ValueError(f"rope_scaling: high_freq_factor={params['high_freq_factor']} must differ "
                      f"from low_freq_factor")
@@ -84,6 +89,12 @@ def frequencies(head_dim: int, theta: float, scaling: tuple[tuple[str, Any], ...
     return inv_freq, 1.0
   if kind == "linear":
     return (inv_freq / np.float32(p["factor"])).astype(np.float32), 1.0
+  if kind == "factors":
+    factors = np.asarray(p["factors"], np.float32)
+    if factors.shape != inv_freq.shape:
+      raise ValueError(f"rope_scaling: {factors.size} factors for head_dim={head_dim} (needs "
+                       f"{inv_freq.size})")
+    return (inv_freq / factors).astype(np.float32), 1.0
   if kind == "llama3":
     factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
     old_len = p["original_max_position_embeddings"]

@@ -111,6 +111,26 @@ class WrittenGGUFTest(parameterized.TestCase):
       np.testing.assert_allclose(testing.dense_logits(ours, ours_cfg, prompt),
                                  _hf_logits(hf, prompt), atol=1e-4, rtol=1e-4)
 
+  def test_llama3_rope_as_llama_cpp_writes_it(self):
+    # Llama 3.1+ GGUF files carry llama3 RoPE as a tensor of per-frequency divisors
+    # (rope_freqs.weight) instead of its parameters: read back, the rotations are llama3's, and
+    # the logits those of transformers running the Hugging Face checkpoint. (transformers' own
+    # GGUF loader ignores that tensor, so it is not the reference here.)
+    from paged_jax import gguf_file
+    hf_dir = os.path.join(self.dir, "hf")
+    hf = random_llama(hf_dir, rope_parameters={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16, "rope_theta": 10_000.0})
+    params, cfg, _ = checkpoint.load_checkpoint(hf_dir)
+    path = os.path.join(self.dir, "llama3.gguf")
+    gguf_file.save(params, cfg, path, tensor_type="F32")
+    ours, ours_cfg, _ = checkpoint.load_checkpoint(path)
+    self.assertEqual(dict(ours_cfg.rope_scaling)["rope_type"], "factors")
+    np.testing.assert_allclose(ours_cfg.layer_rope(0)[0], cfg.layer_rope(0)[0], rtol=1e-6)
+    for prompt in PROMPTS:
+      np.testing.assert_allclose(testing.dense_logits(ours, ours_cfg, prompt),
+                                 _hf_logits(hf, prompt), atol=1e-4, rtol=1e-4)
+
   def test_bfloat16_load(self):
     from paged_jax import gguf_file
     hf_dir = os.path.join(self.dir, "hf")
@@ -230,11 +250,12 @@ class GGUFErrorsTest(absltest.TestCase):
                                 r"the gguf package cannot dequantize"):
       checkpoint.load_checkpoint(path)
 
-  def test_unexpected_tensor_and_rope_factors(self):
+  def test_unexpected_tensor_and_bad_rope_factors(self):
     with self.assertRaisesRegex(checkpoint.CheckpointError,
                                 r"extra.gguf: unexpected tensor 'blk.0.ssm_conv1d.weight'"):
       checkpoint.load_checkpoint(self._write("extra.gguf", extra_tensor="blk.0.ssm_conv1d.weight"))
-    with self.assertRaisesRegex(checkpoint.CheckpointError, r"rope_freqs.weight"):
+    # 4 factors where head_dim 8 needs 4 is fine; zeros are not
+    with self.assertRaisesRegex(checkpoint.CheckpointError, r"factors must all be > 0"):
       checkpoint.load_checkpoint(self._write("freqs.gguf", extra_tensor="rope_freqs.weight"))
 
   def test_rope_scaling_metadata(self):
