@@ -19,6 +19,9 @@ repetitions:
 - hf_cb: transformers' continuous batching `generate_batch` (page_size 32, 512 batch tokens, 32
   requests per batch, enough blocks for all).
 
+--dtype=bfloat16 runs every engine in bf16 (weights and KV; the floors count 2-byte elements).
+vLLM runs with ignore_eos and no min_tokens, so no engine masks EOS's logit: all of them take
+the same argmax (min_tokens would forbid EOS and change a row whose argmax it is).
 --model=PATH replaces the random model with a real checkpoint, a Hugging Face directory or a
 GGUF file (SmolLM2-135M-Instruct, say): the engine reads it as given; the peers read a Hugging
 Face directory, for a GGUF file the one `paged_jax.checkpoint.save_checkpoint` writes from the
@@ -73,6 +76,7 @@ class BenchConfig:
   preset: str = "small"
   vocab_size: int | None = None   # None: the preset's (512 unless it names one)
   model: str | None = None   # a real checkpoint (directory or GGUF) instead of the preset
+  dtype: str = "float32"     # every engine's weights and KV ("bfloat16": torch / vLLM too)
   num_requests: int = 32
   min_prompt: int = 16
   max_prompt: int = 256
@@ -158,7 +162,7 @@ def worker_paged_jax(cfg: BenchConfig, path: str) -> dict:
   from paged_jax.sampling import SamplingParams
   sharding.ensure_host_devices(cfg.mesh)   # before jax starts (this is the worker's process)
   mesh = sharding.mesh_from_flag(cfg.mesh)
-  params, mcfg, _ = checkpoint.load_checkpoint(cfg.model or path)
+  params, mcfg, _ = checkpoint.load_checkpoint(cfg.model or path, cfg.dtype)
   prompts = workload(cfg)
   longest = max(map(len, prompts)) + cfg.new_tokens
   num_pages = 1 + len(prompts) * -(-longest // cfg.page_size)
@@ -183,7 +187,8 @@ def _torch_model(cfg: BenchConfig, path: str):
   import torch
   import transformers
   torch.set_num_threads(cfg.torch_threads)
-  model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+  model = transformers.LlamaForCausalLM.from_pretrained(
+      path, dtype=getattr(torch, cfg.dtype)).eval()
   model.generation_config.eos_token_id = None   # EOS off: always new_tokens tokens
   model.generation_config.pad_token_id = 0
   return model
@@ -247,11 +252,11 @@ def ensure_vllm(python: str) -> str | None:
 # ---------------------------------------------------------------------------------- floors
 
 
-def matmul_flops_per_s(n: int = 2048, rounds: int = 5) -> float:
-  """f32 FLOP/s of a jitted n x n x n matmul on this machine."""
+def matmul_flops_per_s(n: int = 2048, rounds: int = 5, dtype: str = "float32") -> float:
+  """FLOP/s of a jitted n x n x n matmul in `dtype` on this machine."""
   import jax
   import jax.numpy as jnp
-  a = jnp.ones((n, n), jnp.float32)
+  a = jnp.ones((n, n), dtype)
   f = jax.jit(lambda x, y: x @ y)
   f(a, a).block_until_ready()
   times = []
@@ -272,8 +277,9 @@ def floors(cfg: BenchConfig) -> dict:
   prompts = np.array([len(x) for x in workload(cfg)], np.float64)
   prefill_flops = (2 * per_layer * layers * prompts.sum() + 2 * lm_head * len(prompts)
                    + layers * 4 * qh * hd * (prompts * (prompts + 1) / 2).sum())
-  weight_bytes = 4 * (per_layer * layers + lm_head + 2 * layers * h + h)   # + norms
-  kv_token_bytes = 2 * layers * kvh * hd * 4
+  item = 2 if cfg.dtype == "bfloat16" else 4
+  weight_bytes = item * (per_layer * layers + lm_head + 2 * layers * h + h)   # + norms
+  kv_token_bytes = 2 * layers * kvh * hd * item
   mean_context = prompts.mean() + cfg.new_tokens / 2
   decode_bytes = weight_bytes + len(prompts) * mean_context * kv_token_bytes
   return dict(prefill_flops=float(prefill_flops), decode_bytes_per_step=float(decode_bytes),
@@ -302,7 +308,7 @@ def _spawn_vllm(cfg: BenchConfig, path: str) -> dict:
   prompts = workload(cfg)
   return run_vllm_worker(cfg.vllm_python, dict(
       model_dir=path, prompts=prompts, new_tokens=cfg.new_tokens, block_size=cfg.vllm_block_size,
-      max_model_len=max(map(len, prompts)) + cfg.new_tokens), cfg.torch_threads)
+      max_model_len=max(map(len, prompts)) + cfg.new_tokens, dtype=cfg.dtype), cfg.torch_threads)
 
 
 def _spawn(engine: str, cfg: BenchConfig, path: str) -> dict:
@@ -363,7 +369,7 @@ def run(cfg: BenchConfig, model_dir: str | None = None, progress=print) -> dict:
     stats = sorted((r["stats"] for r in runs["paged_jax"]),
                    key=lambda s: s["prefill_s"] + s["decode_s"] + s["host_s"])[len(rs) // 2]
     steps = stats["prefill_s"] + stats["decode_s"] + stats["host_s"]
-    bw, flops = copy_bandwidth(), matmul_flops_per_s()
+    bw, flops = copy_bandwidth(), matmul_flops_per_s(dtype=cfg.dtype)
     fl = floors(cfg)
     decode_step_s = (stats["decode_s"] + stats["decode_host_s"]) / max(1, stats["decode_steps"])
     ours.update(
@@ -379,7 +385,8 @@ def run(cfg: BenchConfig, model_dir: str | None = None, progress=print) -> dict:
 
 
 def format_result(r: dict) -> str:
-  lines = [f"serve bench [{r['config'].get('model') or r['config']['preset']}]: "
+  lines = [f"serve bench [{r['config'].get('model') or r['config']['preset']}, "
+           f"{r['config'].get('dtype', 'float32')}]: "
            f"{r['config']['num_requests']} requests, "
            f"{r['config']['new_tokens']} new tokens each; median of {r['config']['repetitions']}"]
   for e, v in r["engines"].items():
@@ -396,7 +403,7 @@ def format_result(r: dict) -> str:
         f"  engine split: prefill {ours['prefill_s']:.3f} s, decode {ours['decode_s']:.3f} s, "
         f"host {ours['host_s']:.3f} s ({100 * ours['host_share']:.1f}% of step time)",
         f"  floors: copy {ours['copy_bytes_per_s'] / 1e9:.2f} GB/s, matmul "
-        f"{ours['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s",
+        f"{ours['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s ({r['config'].get('dtype', 'float32')})",
         f"  prefill {ours['prefill_s']:.3f} s vs floor {ours['prefill_floor_s']:.3f} s "
         f"({ours['prefill_x_floor']:.2f}x)",
         f"  decode step {ours['decode_step_ms']:.2f} ms vs floor {ours['decode_floor_ms']:.2f} ms "
@@ -411,7 +418,7 @@ def main(argv):
   cfg = BenchConfig(**json.loads(f.config)) if f.config else BenchConfig(
       preset=f.preset, num_requests=f.num_requests, repetitions=f.repetitions,
       engines=tuple(f.engines), max_num_batched_tokens=f.max_num_batched_tokens,
-      steps_per_sync=f.steps_per_sync, mesh=f.mesh, model=f.model)
+      steps_per_sync=f.steps_per_sync, mesh=f.mesh, model=f.model, dtype=f.dtype)
   if f.worker:   # a child process: one engine, JSON on the last line of stdout
     print(json.dumps(WORKERS[f.worker](cfg, f.model_dir)))
     return
@@ -434,6 +441,7 @@ if __name__ == "__main__":
   flags.DEFINE_integer("steps_per_sync", 16, "The engine's decode steps per sync.")
   flags.DEFINE_string("mesh", "1x1", "The engine's DATAxMODEL devices (CPU: simulated).")
   flags.DEFINE_string("model_dir", None, "Reuse a saved model directory.")
+  flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Every engine's dtype.")
   flags.DEFINE_string("model", None, "A real checkpoint (Hugging Face directory or GGUF file) "
                       "instead of the preset's random model.")
   flags.DEFINE_string("worker", None, "Internal: run one engine and print JSON.")

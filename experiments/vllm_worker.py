@@ -29,9 +29,12 @@ def main(job_path: str, result_path: str) -> None:
   os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(job.get("kv_cache_gib", 1)))
   os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{job.get('threads', 2) - 1}")
   from vllm import LLM, SamplingParams, TokensPrompt   # pylint: disable=import-outside-toplevel
-  llm = LLM(model=job["model_dir"], dtype="float32", block_size=job.get("block_size", 32),
-            skip_tokenizer_init=True, max_model_len=job.get("max_model_len", 512))
-  greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, min_tokens=n, ignore_eos=True,
+  llm = LLM(model=job["model_dir"], dtype=job.get("dtype", "float32"),
+            block_size=job.get("block_size", 32), skip_tokenizer_init=True,
+            max_model_len=job.get("max_model_len", 512))
+  # ignore_eos alone gives exactly n tokens; min_tokens=n would also mask EOS's logit, so a
+  # greedy row whose argmax is EOS would differ from the other engines' (none of them masks it).
+  greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True,
                                     detokenize=False)
   if "runs" in job:
     result = online(llm, job["runs"], greedy, TokensPrompt)

@@ -1,5 +1,6 @@
 """Every experiment's importable run(config) on a tiny config: it runs, checks itself, reports."""
 
+import dataclasses
 import json
 import os
 
@@ -252,6 +253,20 @@ class ExperimentsTest(absltest.TestCase):
     self.assertEqual(serve_bench.shape(cfg)["vocab_size"], mcfg.vocab_size)
     self.assertTrue(all(max(p) < mcfg.vocab_size for p in serve_bench.workload(cfg)))
     self.assertIn("tiny.gguf", serve_bench.format_result(r))
+    # bf16: every engine in bf16; greedy tokens may differ (each rounds its own way), lengths not
+    bf16 = serve_bench.run(dataclasses.replace(cfg, dtype="bfloat16"),
+                           model_dir=os.path.join(tmp, "hf"), progress=lambda *_: None)
+    for e in ("paged_jax", "hf_generate"):
+      self.assertGreater(bf16["engines"][e]["tokens_per_s"], 0)
+    self.assertIn("bfloat16", serve_bench.format_result(bf16))
+
+  def test_serve_bench_floors_count_the_dtype(self):
+    cfg = serve_bench.BenchConfig(preset="tiny", vocab_size=64, num_requests=3)
+    f32 = serve_bench.floors(cfg)
+    bf16 = serve_bench.floors(dataclasses.replace(cfg, dtype="bfloat16"))
+    self.assertEqual(bf16["weight_bytes"], f32["weight_bytes"] / 2)
+    self.assertEqual(bf16["decode_bytes_per_step"], f32["decode_bytes_per_step"] / 2)
+    self.assertEqual(bf16["prefill_flops"], f32["prefill_flops"])
 
   @pytest.mark.slow   # two processes, each compiling the engine: ~20-30 s
   def test_dtype_bench(self):
