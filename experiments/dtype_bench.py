@@ -147,11 +147,8 @@ def main(argv):
     return
   r = run(model, QUESTIONS[:f.num_prompts], f.max_tokens, f.page_size)
   print(format_result(r))
-  if f.out:
-    import jax
-    os.makedirs(os.path.dirname(f.out) or ".", exist_ok=True)
-    with open(f.out, "a") as out:
-      out.write(json.dumps({**r, "jax": jax.__version__}) + "\n")
+  from experiments import output
+  output.append_jsonl(r, f.out)
 
 
 if __name__ == "__main__":

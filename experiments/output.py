@@ -26,6 +26,17 @@ def save_figure(fig, path: str, dpi: int = 110) -> str:
   return path
 
 
+def append_jsonl(result: dict, path: str | None) -> None:
+  """Appends `result`, with the JAX version it ran on, as one line to the JSONL file `path`
+  (an --out flag; nothing when empty)."""
+  if not path:
+    return
+  import jax
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  with open(path, "a") as f:
+    f.write(json.dumps({**result, "jax": jax.__version__}) + "\n")
+
+
 def record(result: dict, results_dir: str | None, name: str, plot=None,
            figure: str | None = None) -> dict:
   """Appends `result` as one line to results_dir/name.jsonl and, given `plot`, draws

@@ -424,11 +424,8 @@ def main(argv):
     return
   r = run(cfg, f.model_dir)
   print(format_result(r))
-  if f.out:
-    os.makedirs(os.path.dirname(f.out) or ".", exist_ok=True)
-    with open(f.out, "a") as out:
-      import jax
-      out.write(json.dumps({**r, "jax": jax.__version__}) + "\n")
+  from experiments import output
+  output.append_jsonl(r, f.out)
 
 
 if __name__ == "__main__":

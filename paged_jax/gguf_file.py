@@ -304,13 +304,11 @@ def load(path: str, dtype: str = "float32"):
   return params, cfg, tok
 
 
-def save(params, cfg, path: str, *, tensor_type: str = "F32", tokenizer_gguf: str | None = None):
+def save(params, cfg, path: str, *, tensor_type: str = "F32"):
   """Writes params as a llama-architecture GGUF file (what llama.cpp's converter writes for a
   Llama): Q / K rows permuted to llama.cpp's order, 2-D weights in `tensor_type` (F32, F16, BF16,
-  Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: the types `gguf.quants.quantize` writes), norms in F32.
-
-  Args:
-    tokenizer_gguf: a GGUF file whose tokenizer metadata to copy in (else none is written).
+  Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: the types `gguf.quants.quantize` writes), norms in F32. No
+  tokenizer metadata is written.
   """
   import gguf
   from gguf.quants import quantize
@@ -332,16 +330,6 @@ def save(params, cfg, path: str, *, tensor_type: str = "F32", tokenizer_gguf: st
   w.add_rope_freq_base(cfg.rope_theta)
   w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
   w.add_vocab_size(cfg.vocab_size)
-  if tokenizer_gguf is not None:
-    src = _reader(tokenizer_gguf)
-    for key, field in src.fields.items():
-      if key.startswith("tokenizer."):
-        value = field.contents()
-        vtype = field.types[0]
-        if vtype == gguf.GGUFValueType.ARRAY:
-          w.add_key_value(key, value, vtype, sub_type=field.types[-1])
-        else:
-          w.add_key_value(key, value, vtype)
   names = {v: k for k, v in _LAYER_TENSORS.items()}
   def put(name, x, two_d):
     x = np.ascontiguousarray(np.asarray(x, np.float32))

@@ -260,6 +260,18 @@ class ExperimentsTest(absltest.TestCase):
       self.assertGreater(bf16["engines"][e]["tokens_per_s"], 0)
     self.assertIn("bfloat16", serve_bench.format_result(bf16))
 
+  def test_append_jsonl(self):
+    import tempfile
+    from experiments import output
+    path = os.path.join(tempfile.mkdtemp(), "sub", "r.jsonl")
+    output.append_jsonl({"a": 1}, path)
+    output.append_jsonl({"a": 2}, path)
+    output.append_jsonl({"a": 3}, "")   # no --out: nothing written
+    with open(path) as f:
+      rows = [json.loads(line) for line in f]
+    self.assertEqual([r["a"] for r in rows], [1, 2])
+    self.assertTrue(all("jax" in r for r in rows))
+
   def test_serve_bench_floors_count_the_dtype(self):
     cfg = serve_bench.BenchConfig(preset="tiny", vocab_size=64, num_requests=3)
     f32 = serve_bench.floors(cfg)
