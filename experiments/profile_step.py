@@ -2,6 +2,7 @@
 
   python -m experiments.profile_step                     # the serve benchmark's small model
   python -m experiments.profile_step --preset=large --steps_per_sync=4
+  python -m experiments.profile_step --model_dir=D --dtype=bfloat16   # a checkpoint, in bf16
 
 Runs the serve benchmark's workload (experiments/serve_bench.py) through the engine once to
 compile, then traces one prefill step of every prompt and one decode round with
@@ -93,7 +94,7 @@ def run(cfg: ProfileConfig, model_dir: str | None = None) -> dict:
   path = model_dir or tempfile.mkdtemp(prefix="profile_model_")
   if not glob.glob(f"{path}/config.json"):
     serve_bench.make_model(bench, path)
-  params, mcfg, _ = checkpoint.load_checkpoint(path)
+  params, mcfg, _ = checkpoint.load_checkpoint(path, bench.dtype)
   prompts = serve_bench.workload(bench)
   longest = max(map(len, prompts)) + bench.new_tokens + bench.steps_per_sync
   engine = Engine(params, mcfg, cache=CacheConfig(
@@ -156,7 +157,8 @@ def format_result(r: dict) -> str:
 def main(argv):
   from absl import flags
   f = flags.FLAGS
-  r = run(ProfileConfig(serve_bench.BenchConfig(preset=f.preset, steps_per_sync=f.steps_per_sync)),
+  r = run(ProfileConfig(serve_bench.BenchConfig(preset=f.preset, steps_per_sync=f.steps_per_sync,
+                                                 dtype=f.dtype)),
           f.model_dir)
   print(format_result(r))
 
@@ -166,4 +168,5 @@ if __name__ == "__main__":
   flags.DEFINE_enum("preset", "small", list(serve_bench.PRESETS), "Model shape.")
   flags.DEFINE_integer("steps_per_sync", 16, "Decode steps in the profiled round.")
   flags.DEFINE_string("model_dir", None, "Reuse a saved model directory.")
+  flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Weights and KV pool dtype.")
   app.run(main)

@@ -21,7 +21,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from paged_jax import attention, sharding
+from paged_jax import attention, matmul, sharding
 from paged_jax import rope as rotary
 from paged_jax.config import ModelConfig
 from paged_jax.kv_write import write_kv_layer
@@ -132,15 +132,21 @@ def norm(cfg: ModelConfig, name: str) -> RMSNorm:
 
 def _dense(features: int, name: str, dtype, bias: bool = False) -> nn.Dense:
   return nn.Dense(features, use_bias=bias, dtype=dtype, param_dtype=dtype, name=name,
-                  kernel_init=nn.initializers.normal(0.02))
+                  kernel_init=nn.initializers.normal(0.02), dot_general=matmul.dot_general)
 
 
 class Embed(nn.Embed):
   """nn.Embed (same parameter) with a clamping gather: `jnp.take`'s default "fill" mode adds a
-  select over every embedded value, and token ids are validated on the host already."""
+  select over every embedded value, and token ids are validated on the host already. `attend`
+  (the tied LM head) multiplies through `matmul.dot_general`."""
 
   def __call__(self, inputs):
     return jnp.take(self.embedding.astype(self.dtype), inputs, axis=0, mode="clip")
+
+  def attend(self, query):
+    """query: [T, hidden] -> [T, vocab] against the embedding rows (a tied LM head)."""
+    return matmul.dot_general(query.astype(self.dtype), self.embedding.astype(self.dtype),
+                              (((1,), (1,)), ((), ())))
 
 
 class Attention(nn.Module):
@@ -148,11 +154,13 @@ class Attention(nn.Module):
   layer: int
 
   @nn.compact
-  def __call__(self, x, positions, kv, select=None):
-    """select: i32[S] tokens whose outputs alone are wanted (K/V are still written for all)."""
+  def __call__(self, x, kv, rope, select=None):
+    """rope: this layer's `rotary.tables` (cos, sin) f32[T, head_dim // 2] of every token.
+    select: i32[S] tokens whose outputs alone are wanted (K/V are still written for all)."""
     cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
     num_tokens = x.shape[0]
-    xq, q_pos = (x, positions) if select is None else (x[select], positions[select])
+    cos, sin = rope
+    xq, q_rope = (x, rope) if select is None else (x[select], (cos[select], sin[select]))
     q = _dense(cfg.num_q_heads * cfg.head_dim, "q_proj", dt, cfg.attention_bias)(xq)
     k = _dense(cfg.num_kv_heads * cfg.head_dim, "k_proj", dt, cfg.attention_bias)(x)
     v = _dense(cfg.num_kv_heads * cfg.head_dim, "v_proj", dt, cfg.attention_bias)(x)
@@ -161,9 +169,8 @@ class Attention(nn.Module):
     if cfg.qk_norm:
       q, k = norm(cfg, "q_norm")(q), norm(cfg, "k_norm")(k)
     with jax.named_scope("rope"):
-      inv_freq, factor = cfg.layer_rope(self.layer)
-      q = rotary.apply(q, q_pos, inv_freq, factor)
-      k = rotary.apply(k, positions, inv_freq, factor)
+      q = rotary.rotate(q, *q_rope)
+      k = rotary.rotate(k, cos, sin)
     v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
     o, kv = kv.attend(self.layer, q, k, v, sliding_window=cfg.layer_window(self.layer),
                       scale=cfg.query_scale, soft_cap=cfg.attn_soft_cap, select=select)
@@ -243,10 +250,17 @@ class Decoder(nn.Module):
     x = embed(tokens)
     if cfg.scale_embeddings:   # Gemma: sqrt(hidden) rounded to the dtype first, as transformers
       x = x * jnp.asarray(cfg.hidden_size ** 0.5, jnp.float32).astype(dt)
+    rope_tables = {}   # one (cos, sin) per distinct RoPE of the layers (Gemma 3 has two)
     for i in range(cfg.num_layers):
+      inv_freq, factor = cfg.layer_rope(i)
+      key = (inv_freq.tobytes(), factor)
+      if key not in rope_tables:
+        with jax.named_scope("rope"):
+          rope_tables[key] = computed_once(
+              lambda p, f=inv_freq, a=factor: rotary.tables(p, f, a), positions)
       select = logits_indices if i == cfg.num_layers - 1 else None
       h = norm(cfg, f"layers_{i}_input_layernorm")(x)
-      h, kv = Attention(cfg, i, name=f"layers_{i}_self_attn")(h, positions, kv, select)
+      h, kv = Attention(cfg, i, name=f"layers_{i}_self_attn")(h, kv, rope_tables[key], select)
       if cfg.sandwich_norms:
         h = norm(cfg, f"layers_{i}_post_attention_layernorm")(h)
       x = (x if select is None else x[select]) + h
@@ -266,6 +280,20 @@ class Decoder(nn.Module):
     if cfg.final_soft_cap is not None:
       logits = cfg.final_soft_cap * jnp.tanh(logits / cfg.final_soft_cap)
     return logits, kv
+
+
+def computed_once(fn, *args):
+  """fn(*args) as one materialized value that its users read, not recompute.
+
+  XLA:CPU fuses cheap elementwise producers into each consumer, and drops
+  `jax.lax.optimization_barrier` before fusing, so RoPE tables shared by 30 layers were
+  recomputed inside every layer's rotation, per head (SmolLM2's 4,560-token prefill: ~200 ms of
+  sines and cosines, 4% of the step). A conditional is a fusion boundary; both branches are fn,
+  so the result is fn(*args) whatever the predicate.
+  """
+  leaves = jax.tree.leaves(args)
+  pred = jnp.any(leaves[0] < 0) if leaves else False
+  return jax.lax.cond(pred, fn, fn, *args)
 
 
 def init_params(cfg: ModelConfig, seed: int = 0):
