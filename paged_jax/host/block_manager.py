@@ -250,6 +250,11 @@ class BlockManager:
     the new tokens, are left alone. Returns None, changing nothing, if the pages do not fit.
     """
     seq = self._running(seq_id)
+    if isinstance(num_tokens, (bool, np.bool_)) or not isinstance(num_tokens, (int, np.integer)):
+      # 1.5 used to be accepted (pages_needed(4 + 1.5, 4) = 2 allocated a page), after which a
+      # valid reserve(seq_id, 2) allocated nothing.
+      raise ValueError(f"num_tokens={num_tokens!r} is not an int")
+    num_tokens = int(num_tokens)
     if num_tokens < 0:
       raise ValueError(f"num_tokens={num_tokens} must be >= 0")
     if num_tokens == 0:

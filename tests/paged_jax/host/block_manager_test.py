@@ -1,5 +1,7 @@
 """Block manager: the seeds' numbers, prefix caching, copy-on-write, swap, bad input, properties."""
 
+import re
+
 from absl.testing import absltest
 import chex
 import hypothesis
@@ -542,6 +544,18 @@ class ReserveTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, r"num_tokens=-1 must be >= 0"):
       bm.reserve("b", -1)
 
+  def test_non_int_count_is_refused_and_changes_nothing(self):
+    bm = BlockManager(num_pages=8, page_size=4)
+    bm.admit("a", [1, 2, 3, 4])
+    bm.mark_computed("a")
+    for bad in (1.5, 2.0, True, "2", None, np.float32(1)):
+      with self.assertRaisesRegex(ValueError, rf"num_tokens={re.escape(repr(bad))} is not an int"):
+        bm.reserve("a", bad)
+      self.assertEqual((bm.block_table("a"), bm.num_free_pages), ((1,), 6))
+    growth = bm.reserve("a", np.int64(2))   # positions 4, 5: a new page
+    self.assertEqual(len(growth.new_pages), 1)
+    bm.check_invariants()
+
   def test_shared_page_past_the_new_tokens_stays_shared(self):
     bm = self._forked_with_spare_page(3)
     a0, a1 = bm.block_table("a")
@@ -829,6 +843,21 @@ class BlockManagerMachine(stateful.RuleBasedStateMachine):
       if self.bm.append_tokens(s, [s] * n) is not None:
         self.bm.mark_computed(s)
         self.tokens[s] = self.tokens[s] + [s] * n
+
+  @stateful.rule(data=st.data(), bad=st.one_of(
+      st.floats(allow_nan=True), st.booleans(), st.text(max_size=2), st.none()))
+  def reserve_bad_count(self, data, bad):
+    running = self._ids(SeqStatus.RUNNING)
+    if running:
+      s = data.draw(st.sampled_from(running))
+      before = (self.bm.block_table(s), self.bm.num_free_pages)
+      try:
+        self.bm.reserve(s, bad)
+      except ValueError:
+        pass
+      else:
+        raise AssertionError(f"reserve({s}, {bad!r}) was accepted")
+      assert (self.bm.block_table(s), self.bm.num_free_pages) == before
 
   @stateful.rule(data=st.data())
   def fork(self, data):

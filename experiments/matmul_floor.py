@@ -1,0 +1,153 @@
+"""The matmul floor: how fast this machine multiplies a model's matrices, through each route.
+
+  python -m experiments.matmul_floor                       # SmolLM2-135M's shapes
+  python -m experiments.matmul_floor --hidden=1024 --intermediate=2752 --vocab=32000
+
+For each shape a step multiplies (prefill's MLP and projections over --tokens rows, decode's over
+--rows rows, the LM head, batch-1 decode) it times, best of --rounds interleaved rounds:
+
+  f32           jnp.dot on f32 operands (XLA's dot);
+  bf16_plain    jnp.dot on bf16 operands, bf16 result (what a bf16 model got before
+                `paged_jax.matmul`);
+  bf16_ours     `paged_jax.matmul.dot_general` (bf16 operands, f32 accumulation and result, cast
+                back; a single row padded to two);
+  torch_f32 / torch_bf16   torch.matmul at the same threads, when torch is installed (oneDNN).
+
+and prints GFLOP/s and the weight-read rate (GB/s of the [k, n] operand), with the machine's
+read bandwidth (an XLA sum over 512 MiB) and the rate of an n x n x n f32 matmul beside them.
+Appends one JSONL record with the JAX version, so runs under jaxlib 0.10 / 0.11 / 0.12 compare.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments import output
+from paged_jax import matmul
+
+
+@dataclasses.dataclass(frozen=True)
+class FloorConfig:
+  hidden: int = 576          # SmolLM2-135M
+  intermediate: int = 1536
+  kv: int = 192              # num_kv_heads * head_dim
+  vocab: int = 49_152
+  tokens: int = 4560         # the serve benchmark's prefill step
+  rows: int = 32             # its decode batch
+  rounds: int = 7
+  threads: int = 2
+
+
+def shapes(cfg: FloorConfig) -> list[tuple[str, int, int, int]]:
+  """(name, m, k, n) of the products a step runs."""
+  h, i = cfg.hidden, cfg.intermediate
+  return [("prefill gate/up", cfg.tokens, h, i), ("prefill down", cfg.tokens, i, h),
+          ("prefill q/o", cfg.tokens, h, h), ("prefill k/v", cfg.tokens, h, cfg.kv),
+          ("decode gate/up", cfg.rows, h, i), ("decode down", cfg.rows, i, h),
+          ("decode q/o", cfg.rows, h, h), ("decode lm head", cfg.rows, h, cfg.vocab),
+          ("batch-1 gate/up", 1, h, i), ("batch-1 lm head", 1, h, cfg.vocab)]
+
+
+def _time(fn, args, rounds):
+  jax.block_until_ready(fn(*args))
+  best = float("inf")
+  for _ in range(rounds):
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    best = min(best, time.perf_counter() - t)
+  return best
+
+
+def read_bandwidth(rounds: int = 5) -> float:
+  """Bytes per second an XLA sum reads from a 512 MiB f32 array (the read floor)."""
+  x = jnp.ones((128 << 20,), jnp.float32)
+  return x.nbytes / _time(jax.jit(jnp.sum), (x,), rounds)
+
+
+def _torch_routes(threads: int):
+  try:
+    import torch
+  except ImportError:
+    return {}
+  torch.set_num_threads(threads)
+
+  def route(dtype):
+    def run(m, k, n, rounds):
+      a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+      torch.matmul(a, b)
+      best = float("inf")
+      for _ in range(rounds):
+        t = time.perf_counter()
+        torch.matmul(a, b)
+        best = min(best, time.perf_counter() - t)
+      return best
+    return run
+  return {"torch_f32": route(torch.float32), "torch_bf16": route(torch.bfloat16)}
+
+
+def run(cfg: FloorConfig) -> dict:
+  dot = lambda x, w: jnp.dot(x, w)                                      # noqa: E731
+  ours = lambda x, w: matmul.dot_general(x, w, (((1,), (0,)), ((), ())))  # noqa: E731
+  xla = {"f32": (jax.jit(dot), jnp.float32), "bf16_plain": (jax.jit(dot), jnp.bfloat16),
+         "bf16_ours": (jax.jit(ours), jnp.bfloat16)}
+  peers = _torch_routes(cfg.threads)
+  rows = []
+  rng = np.random.default_rng(0)
+  for name, m, k, n in shapes(cfg):
+    x, w = rng.normal(size=(m, k)).astype(np.float32), rng.normal(size=(k, n)).astype(np.float32)
+    row = {"shape": name, "m": m, "k": k, "n": n}
+    for route, (fn, dt) in xla.items():
+      row[route] = _time(fn, (jnp.asarray(x, dt), jnp.asarray(w, dt)), cfg.rounds)
+    for route, fn in peers.items():
+      row[route] = fn(m, k, n, cfg.rounds)
+    rows.append(row)
+  n = 2048
+  square = jnp.ones((n, n), jnp.float32)
+  return {"jax": jax.__version__, "config": dataclasses.asdict(cfg), "rows": rows,
+          "read_bandwidth": read_bandwidth(),
+          "square_f32_flops": 2 * n ** 3 / _time(jax.jit(dot), (square, square), cfg.rounds)}
+
+
+def format_result(r: dict) -> str:
+  routes = [k for k in r["rows"][0] if k not in ("shape", "m", "k", "n")]
+  lines = [f"jax {r['jax']}: read bandwidth {r['read_bandwidth'] / 1e9:.1f} GB/s, "
+           f"f32 2048^3 matmul {r['square_f32_flops'] / 1e9:.0f} GFLOP/s",
+           f"{'shape':18s} {'m x k x n':>18s}  " + "  ".join(f"{k:>22s}" for k in routes)]
+  for row in r["rows"]:
+    m, k, n = row["m"], row["k"], row["n"]
+    cells = []
+    for route in routes:
+      t = row[route]
+      item = 4 if route.endswith("f32") else 2
+      cells.append(f"{t * 1e3:7.3f}ms {2 * m * k * n / t / 1e9:5.0f}GF {k * n * item / t / 1e9:4.1f}GB/s")
+    lines.append(f"{row['shape']:18s} {f'{m}x{k}x{n}':>18s}  " + "  ".join(f"{c:>22s}" for c in cells))
+  return "\n".join(lines)
+
+
+def main(argv):
+  del argv
+  from absl import flags
+  f = flags.FLAGS
+  r = run(FloorConfig(hidden=f.hidden, intermediate=f.intermediate, kv=f.kv, vocab=f.vocab,
+                      tokens=f.tokens, rows=f.rows, rounds=f.rounds))
+  print(format_result(r))
+  if f.out:
+    output.append_jsonl(r, f.out)
+
+
+if __name__ == "__main__":
+  from absl import app, flags
+  flags.DEFINE_integer("hidden", FloorConfig.hidden, "Hidden size.")
+  flags.DEFINE_integer("intermediate", FloorConfig.intermediate, "MLP intermediate size.")
+  flags.DEFINE_integer("kv", FloorConfig.kv, "KV heads x head_dim (k/v projections).")
+  flags.DEFINE_integer("vocab", FloorConfig.vocab, "Vocabulary (the LM head).")
+  flags.DEFINE_integer("tokens", FloorConfig.tokens, "Prefill rows.")
+  flags.DEFINE_integer("rows", FloorConfig.rows, "Decode rows.")
+  flags.DEFINE_integer("rounds", FloorConfig.rounds, "Timed rounds (best is reported).")
+  flags.DEFINE_string("out", "experiments/results/matmul_floor.jsonl", "JSONL to append to.")
+  app.run(main)
