@@ -1,5 +1,7 @@
-"""The matmul dispatcher (`paged_jax.matmul`) and the shared RoPE tables: same values as the plain
-ops, and the lowering rules they exist for (asserted on the compiled program, not by timing)."""
+"""The CPU lowering rules the model's speed rests on, asserted on the compiled program (never by
+timing): the matmul dispatcher (`paged_jax.matmul`), RoPE tables computed once, and which jaxlib
+converts a bf16 pool on every KV write (`engine.slow_narrow_kv_writes`). Values are checked
+against the plain ops."""
 
 import re
 
@@ -9,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax import config, matmul, model, rope, testing
+from paged_jax import config, engine, kv_write, matmul, model, rope, testing
 
 _DIMS = (((1,), (0,)), ((), ()))
 
@@ -100,6 +102,17 @@ class RopeTablesTest(absltest.TestCase):
   def test_computed_once_is_fn(self):
     chex.assert_trees_all_equal(model.computed_once(lambda a: (a * 2, a + 1), jnp.arange(3)),
                                 (jnp.arange(3) * 2, jnp.arange(3) + 1))
+
+
+class NarrowKVWriteTest(absltest.TestCase):
+
+  def test_the_version_rule_matches_the_compiled_write(self):
+    pages = jnp.zeros((37, 4, 2, 8), jnp.bfloat16)
+    x = jnp.ones((3, 2, 8), jnp.bfloat16)
+    hlo = _hlo(kv_write.write_kv_layer, pages, x, jnp.array([5, 9, 30], jnp.int32))
+    converts_pool = "f32[37,4,2,8]" in hlo
+    self.assertEqual(engine.slow_narrow_kv_writes(jnp.bfloat16), converts_pool)
+    self.assertFalse(engine.slow_narrow_kv_writes(jnp.float32))
 
 
 if __name__ == "__main__":
