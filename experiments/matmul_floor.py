@@ -41,6 +41,7 @@ class FloorConfig:
   rows: int = 32             # its decode batch
   rounds: int = 7
   threads: int = 2
+  read_mib: int = 512        # the read-bandwidth probe's array
 
 
 def shapes(cfg: FloorConfig) -> list[tuple[str, int, int, int]]:
@@ -63,9 +64,9 @@ def _time(fn, args, rounds):
   return best
 
 
-def read_bandwidth(rounds: int = 5) -> float:
-  """Bytes per second an XLA sum reads from a 512 MiB f32 array (the read floor)."""
-  x = jnp.ones((128 << 20,), jnp.float32)
+def read_bandwidth(rounds: int = 5, mib: int = 512) -> float:
+  """Bytes per second an XLA sum reads from an f32 array of `mib` MiB (the read floor)."""
+  x = jnp.ones((mib << 18,), jnp.float32)
   return x.nbytes / _time(jax.jit(jnp.sum), (x,), rounds)
 
 
@@ -106,17 +107,18 @@ def run(cfg: FloorConfig) -> dict:
     for route, fn in peers.items():
       row[route] = fn(m, k, n, cfg.rounds)
     rows.append(row)
-  n = 2048
+  n = min(2048, 8 * cfg.hidden)
   square = jnp.ones((n, n), jnp.float32)
   return {"jax": jax.__version__, "config": dataclasses.asdict(cfg), "rows": rows,
-          "read_bandwidth": read_bandwidth(),
+          "read_bandwidth": read_bandwidth(mib=cfg.read_mib),
           "square_f32_flops": 2 * n ** 3 / _time(jax.jit(dot), (square, square), cfg.rounds)}
 
 
 def format_result(r: dict) -> str:
   routes = [k for k in r["rows"][0] if k not in ("shape", "m", "k", "n")]
   lines = [f"jax {r['jax']}: read bandwidth {r['read_bandwidth'] / 1e9:.1f} GB/s, "
-           f"f32 2048^3 matmul {r['square_f32_flops'] / 1e9:.0f} GFLOP/s",
+           f"f32 {min(2048, 8 * r['config']['hidden'])}^3 matmul "
+           f"{r['square_f32_flops'] / 1e9:.0f} GFLOP/s",
            f"{'shape':18s} {'m x k x n':>18s}  " + "  ".join(f"{k:>22s}" for k in routes)]
   for row in r["rows"]:
     m, k, n = row["m"], row["k"], row["n"]

@@ -4,13 +4,15 @@
 f16), neither of which changes f32 programs:
 
 - **Accumulate and emit f32, then cast back** (`preferred_element_type=f32`). XLA:CPU lowers a
-  bf16 x bf16 -> f32 dot to oneDNN (AMX / AVX512-BF16 on this machine), but a bf16 x bf16 ->
-  bf16 dot to a slow generic loop. Measured on SmolLM2-135M's shapes, jax 0.10.2, 2 threads
-  (`python -m experiments.matmul_floor`): [4560x576]x[576x1536] 319 -> 723 GFLOP/s (f32: 356),
-  [32x576]x[576x49152] 35 -> 359 GFLOP/s (f32: 212). The result equals a bf16 dot that
-  accumulates in f32 and rounds once, which is what torch's bf16 matmul does too.
+  bf16 x bf16 -> f32 dot to its library kernel (YNNPACK: `__ynn_fusion` in the compiled program)
+  that reads bf16 as it is, but a bf16 x bf16 ->
+  bf16 dot to converts of both operands (the whole weight, every call) and an f32 dot.
+  `python -m experiments.matmul_floor` on SmolLM2-135M's shapes, jax 0.10.2, 2 threads:
+  [4560x576]x[576x1536] 251 -> 434 GFLOP/s (f32: 336), [32x576]x[576x49152] 35 -> 278 GFLOP/s
+  (f32: 176); jax 0.11 / 0.12 got faster plain bf16 dots, and this route matches them there.
+  The result equals a bf16 dot that accumulates in f32 and rounds once, as torch's does.
 - **Never a single row**: a bf16 [1, k] x [k, n] dot takes the slow path even with f32 output
-  (SmolLM2's LM head at batch 1: 39 ms; with 2 rows 3.3 ms), so a one-row lhs is padded to two
+  (SmolLM2's LM head at batch 1: 47 ms; padded to 2 rows 4.5 ms), so a one-row lhs is padded to two
   rows and the pad row dropped. Rows are independent, so the kept row is unchanged.
 
 Anything faster found later (an FFI call into a library, another layout) goes behind this same

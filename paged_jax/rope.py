@@ -138,8 +138,9 @@ def frequencies(head_dim: int, theta: float, scaling: tuple[tuple[str, Any], ...
 def tables(positions, inv_freq: np.ndarray, attention_factor: float = 1.0):
   """cos and sin tables f32[T, D // 2] of positions i32[T] (times the attention factor).
 
-  A step computes them once per distinct (inv_freq, factor) and every layer rotates with them:
-  per layer, the sines and cosines of a 4,560-token prefill cost as much as a matmul.
+  A step computes them once per distinct (inv_freq, factor) and every layer rotates with them
+  (`model.computed_once`): recomputed in every layer, they cost SmolLM2's 4,560-token prefill
+  ~200 ms.
   """
   import jax.numpy as jnp   # here: configs (which import this module) stay free of jax
   freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]

@@ -272,6 +272,24 @@ class ExperimentsTest(absltest.TestCase):
     self.assertEqual([r["a"] for r in rows], [1, 2])
     self.assertTrue(all("jax" in r for r in rows))
 
+  def test_matmul_floor_times_every_route_on_every_shape(self):
+    from experiments import matmul_floor
+    cfg = matmul_floor.FloorConfig(hidden=16, intermediate=24, kv=8, vocab=40, tokens=12, rows=3,
+                                   rounds=1, read_mib=4)
+    r = matmul_floor.run(cfg)
+    self.assertEqual([(x["m"], x["k"], x["n"]) for x in r["rows"]],
+                     [s[1:] for s in matmul_floor.shapes(cfg)])
+    import importlib.util
+    torch = {"torch_f32", "torch_bf16"} if importlib.util.find_spec("torch") else set()
+    routes = {"f32", "bf16_plain", "bf16_ours"} | torch
+    for row in r["rows"]:
+      self.assertEqual(set(row) - {"shape", "m", "k", "n"}, routes)
+      self.assertTrue(all(row[k] > 0 for k in routes))
+    self.assertGreater(r["read_bandwidth"], 0)
+    text = matmul_floor.format_result(r)
+    self.assertIn("batch-1 lm head", text)
+    self.assertIn("bf16_ours", text)
+
   def test_serve_bench_floors_count_the_dtype(self):
     cfg = serve_bench.BenchConfig(preset="tiny", vocab_size=64, num_requests=3)
     f32 = serve_bench.floors(cfg)
@@ -279,6 +297,11 @@ class ExperimentsTest(absltest.TestCase):
     self.assertEqual(bf16["weight_bytes"], f32["weight_bytes"] / 2)
     self.assertEqual(bf16["decode_bytes_per_step"], f32["decode_bytes_per_step"] / 2)
     self.assertEqual(bf16["prefill_flops"], f32["prefill_flops"])
+    self.assertEqual(bf16["decode_flops_per_step"], f32["decode_flops_per_step"])
+    # 3 rows x (2 x matmul weights + attention over the mean context) per step.
+    p = serve_bench.shape(cfg)
+    self.assertGreater(f32["decode_flops_per_step"],
+                       3 * 2 * p["hidden_size"] * p["vocab_size"])
 
   @pytest.mark.slow   # two processes, each compiling the engine: ~20-30 s
   def test_dtype_bench(self):
