@@ -29,10 +29,12 @@ engine's own dequantized f32 weights, so every engine runs the very same weights
 keeps its shape, token ids uniform over the model's vocabulary.
 
 Torch runs on 2 threads. Tokens/s = generated tokens / wall time of the timed run. The same run
-measures the machine's floors: copy bandwidth (a jitted elementwise pass over 256 MiB) and f32
-matmul throughput (a jitted 2048^3 matmul); it reports the engine's prefill time against
-prefill FLOPs / matmul throughput and its decode step time against (weight bytes + K/V bytes read
-per step) / copy bandwidth, and whether every engine produced the same greedy tokens.
+measures the machine's floors: read bandwidth (an XLA sum over 512 MiB,
+`matmul_floor.read_bandwidth`; the copy bandwidth of a 256 MiB elementwise pass is reported
+beside it) and matmul throughput in the dtype (a jitted 2048^3 matmul); it reports the engine's
+prefill time against prefill FLOPs / matmul throughput and its decode step time against the
+larger of (weight bytes + K/V bytes read per step) / read bandwidth and decode FLOPs / matmul
+throughput, and whether every engine produced the same greedy tokens.
 Writes one JSON line per run to --out.
 """
 
