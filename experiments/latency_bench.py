@@ -4,6 +4,7 @@ a few Poisson request rates, both engines fed the same requests at the same arri
   python -m experiments.latency_bench                          # small preset, 3 rates
   python -m experiments.latency_bench --preset=large --rates=0.25,0.5 --num_requests=16
   python -m experiments.latency_bench --engines=paged_jax      # without vLLM
+  python -m experiments.latency_bench --model_dir=D --users=1,4,16   # N users at once (a chat)
 
 The model is the serve benchmark's random-init preset (HF format, float32); the requests are the
 serve command's synthetic workload (`paged_jax.serve.make_requests`: ShareGPT-like lengths scaled
@@ -15,13 +16,16 @@ vLLM runs in its own venv (`experiments/vllm_worker.py`, online mode:
 `generate` and with its prefix cache emptied before each rate). Both measure from their own
 arrival clock: TTFT = first token - arrival, TPOT = (finish - first token) / (tokens - 1),
 normalized latency = mean over requests of (finish - arrival) / tokens. A rate is sustained when an engine's normalized latency stays
-within --latency_factor times its value at the lowest rate. Output: a table, one JSONL line in
+within --latency_factor times its value at the lowest rate. With --users, each run is instead N
+users' requests arriving together (N = 1: one user's chat, nothing else running), and no
+sustained rate is computed. Output: a table, one JSONL line in
 experiments/results/latency_bench.jsonl.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tempfile
 
@@ -39,6 +43,7 @@ class LatencyConfig:
   workload: str = "sharegpt"
   num_requests: int = 64
   rates: tuple[float, ...] = (2.0, 4.0, 8.0)
+  users: tuple[int, ...] = ()   # non-empty: runs of N requests arriving at once, not the rates
   engines: tuple[str, ...] = ENGINES
   max_position: int = 1024   # the workload's lengths are scaled to this context
   page_size: int = 16
@@ -68,9 +73,17 @@ def summarize(arrival, first_token, finish, tokens) -> dict:
               output_tokens=sum(n))
 
 
-def _serve_config(cfg: LatencyConfig, path: str, rate: float):
+def runs(cfg: LatencyConfig) -> list[tuple[str, int, float]]:
+  """(name, requests, Poisson rate) of each timed run: a rate each, or N users at once each."""
+  if cfg.users:
+    return [(f"{n} users", n, math.inf) for n in cfg.users]
+  return [(str(rate), cfg.num_requests, rate) for rate in cfg.rates]
+
+
+def _serve_config(cfg: LatencyConfig, path: str, rate: float, num_requests: int | None = None):
   from paged_jax import serve
-  return serve.ServeConfig(model_dir=path, workload=cfg.workload, num_requests=cfg.num_requests,
+  return serve.ServeConfig(model_dir=path, workload=cfg.workload,
+                           num_requests=cfg.num_requests if num_requests is None else num_requests,
                            request_rate=rate, seed=cfg.seed, warmup=True, progress=False,
                            page_size=cfg.page_size, steps_per_sync=cfg.steps_per_sync,
                            ignore_eos=True)
@@ -81,9 +94,9 @@ def run_paged_jax(cfg: LatencyConfig, path: str, model) -> dict:
   which shapes a run meets depends on its timing."""
   from experiments.models import serve_warm
   out = {}
-  for rate in cfg.rates:
-    r = serve_warm(_serve_config(cfg, path, rate), model, attempts=4)
-    out[str(rate)] = dict(ttft_s=r["ttft_s"], tpot_s=r["tpot_s"],
+  for name, n, rate in runs(cfg):
+    r = serve_warm(_serve_config(cfg, path, rate, n), model, attempts=4)
+    out[name] = dict(ttft_s=r["ttft_s"], tpot_s=r["tpot_s"],
                           normalized_latency_s_per_token=r["normalized_latency_s_per_token"],
                           output_tokens=r["output_tokens"], seconds=r["seconds"],
                           retraced=r["retraced"],
@@ -107,6 +120,23 @@ def run_vllm(cfg: LatencyConfig, path: str, requests_by_rate: dict) -> dict:
   return out
 
 
+def single_stream_floor(params, mcfg, requests) -> dict:
+  """TPOT floor of the first run's requests decoded one at a time: each token reads every weight
+  once (the tied embedding as the LM head) and its request's K/V at the mean context (prompt plus
+  half the output), over the XLA read bandwidth measured here and now."""
+  import jax
+  from experiments import matmul_floor
+  from paged_jax.state import kv_cache_bytes
+  weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+  context = float(np.mean([len(r.prompt) + r.params.max_tokens / 2 for r in requests]))
+  kv_bytes = kv_cache_bytes(num_layers=mcfg.num_layers, num_tokens=int(context),
+                            num_kv_heads=mcfg.num_kv_heads, head_dim=mcfg.head_dim,
+                            bytes_per_element=np.dtype(mcfg.dtype).itemsize)
+  bandwidth = matmul_floor.read_bandwidth()
+  return dict(weight_bytes=weight_bytes, kv_bytes=kv_bytes, read_bytes_per_s=bandwidth,
+              tpot_s=(weight_bytes + kv_bytes) / bandwidth)
+
+
 def sustained(rows: dict, rates, factor: float) -> list[float]:
   """Rates whose normalized latency is within `factor` x the lowest rate's."""
   base = rows[str(rates[0])]["normalized_latency_s_per_token"]
@@ -125,10 +155,11 @@ def run(cfg: LatencyConfig, model_dir: str | None = None, progress=print) -> dic
   params, mcfg, _ = checkpoint.load_checkpoint(path)
   mcfg = dataclasses.replace(mcfg, max_position=cfg.max_position)
   model = (params, mcfg, None, ())
-  requests = {str(rate): serve.make_requests(_serve_config(cfg, path, rate), mcfg, None)
-              for rate in cfg.rates}
+  requests = {name: serve.make_requests(_serve_config(cfg, path, rate, n), mcfg, None)
+              for name, n, rate in runs(cfg)}
+  names = [name for name, _, _ in runs(cfg)]
   result = dict(kind="latency_bench", config=dataclasses.asdict(cfg), engines={}, skipped={},
-                input_tokens=sum(len(r.prompt) for r in requests[str(cfg.rates[0])]))
+                input_tokens=sum(len(r.prompt) for r in requests[names[-1]]))
   engines = list(cfg.engines)
   if "vllm" in engines:
     why = serve_bench.ensure_vllm(cfg.vllm_python)
@@ -140,17 +171,26 @@ def run(cfg: LatencyConfig, model_dir: str | None = None, progress=print) -> dic
     result["engines"][e] = (run_paged_jax(cfg, path, model) if e == "paged_jax" else
                             run_vllm(cfg, path, requests))
     progress(f"  {e}: done")
-  names = list(result["engines"])
-  for rate in map(str, cfg.rates):
-    toks = [result["engines"][e][rate]["tokens"] for e in names]
-    result.setdefault("identical_tokens", {})[rate] = all(t == toks[0] for t in toks)
-    result.setdefault("requests_differ", {})[rate] = {   # against the first engine's tokens
-        e: sum(a != b for a, b in zip(t, toks[0])) for e, t in zip(names, toks)}
+  engine_names = list(result["engines"])
+  for run_name in names:
+    toks = [result["engines"][e][run_name]["tokens"] for e in engine_names]
+    result.setdefault("identical_tokens", {})[run_name] = all(t == toks[0] for t in toks)
+    result.setdefault("requests_differ", {})[run_name] = {   # against the first engine's tokens
+        e: sum(a != b for a, b in zip(t, toks[0])) for e, t in zip(engine_names, toks)}
+  for e in engine_names:
+    for run_name in names:
+      del result["engines"][e][run_name]["tokens"]
+  if cfg.users:
+    result["floor"] = single_stream_floor(params, mcfg, requests[names[0]])
+    if "vllm" in engine_names and "paged_jax" in engine_names:
+      result["tpot_p50_paged_jax_over_vllm"] = {
+          run_name: result["engines"]["paged_jax"][run_name]["tpot_s"]["p50"]
+          / result["engines"]["vllm"][run_name]["tpot_s"]["p50"] for run_name in names}
+    return result
+  names = engine_names
   for e in names:
     result["engines"][e]["sustained_rates"] = sustained(result["engines"][e], cfg.rates,
                                                          cfg.latency_factor)
-    for rate in map(str, cfg.rates):
-      del result["engines"][e][rate]["tokens"]
   common = set(cfg.rates)
   for e in names:
     common &= set(result["engines"][e]["sustained_rates"])
@@ -165,21 +205,38 @@ def run(cfg: LatencyConfig, model_dir: str | None = None, progress=print) -> dic
 def format_result(r: dict) -> str:
   c = r["config"]
   ms = lambda v: "-" if v is None else f"{1e3 * v:.1f}"
-  lines = [f"latency bench [{c['preset']}, {c['workload']}]: {c['num_requests']} requests "
-           f"({r['input_tokens']} prompt tokens), Poisson arrivals; TTFT / TPOT ms p50 / p90, "
-           f"normalized latency ms/token"]
+  users = bool(c.get("users"))
+  what = ("N users' requests arriving together" if users else
+          f"{c['num_requests']} requests, Poisson arrivals")
+  lines = [f"latency bench [{c['preset']}, {c['workload']}]: {what} ({r['input_tokens']} prompt "
+           f"tokens in the last run); TTFT / TPOT ms p50 / p90, normalized latency ms/token"]
+  names = ([f"{n} users" for n in c["users"]] if users else [str(rate) for rate in c["rates"]])
   for e, rows in r["engines"].items():
-    for rate in map(str, c["rates"]):
-      x = rows[rate]
-      lines.append(f"  {e:10s} rate {rate:>5s}/s: TTFT {ms(x['ttft_s']['p50'])} / "
+    for name in names:
+      x = rows[name]
+      label = f"{name:>9s}" if users else f"rate {name:>5s}/s"
+      lines.append(f"  {e:10s} {label}: TTFT {ms(x['ttft_s']['p50'])} / "
                    f"{ms(x['ttft_s']['p90'])}  TPOT {ms(x['tpot_s']['p50'])} / "
                    f"{ms(x['tpot_s']['p90'])}  normalized {1e3 * x['normalized_latency_s_per_token']:.1f}"
                    f"  ({x['output_tokens']} tokens in {x['seconds']:.1f} s)")
-    lines.append(f"  {e:10s} sustained rates: {rows['sustained_rates']}")
+    if not users:
+      lines.append(f"  {e:10s} sustained rates: {rows['sustained_rates']}")
   for e, why in r["skipped"].items():
     lines.append(f"  {e:10s} SKIPPED: {why}")
   lines.append(f"  identical greedy tokens: {r.get('identical_tokens')}; requests that differ: "
                f"{r.get('requests_differ')}")
+  if users:
+    f = r["floor"]
+    lines.append(f"  one user's TPOT floor: {ms(f['tpot_s'])} ms ({f['weight_bytes'] / 1e6:.0f} MB "
+                 f"of weights + {f['kv_bytes'] / 1e6:.1f} MB of K/V at "
+                 f"{f['read_bytes_per_s'] / 1e9:.1f} GB/s read)")
+    for e, rows in r["engines"].items():
+      x = rows[names[0]]["tpot_s"]["p50"]
+      if names[0] == "1 users" and x:
+        lines.append(f"  {e:10s} one user's p50 TPOT / floor: {x / f['tpot_s']:.2f}x")
+    for name, x in r.get("tpot_p50_paged_jax_over_vllm", {}).items():
+      lines.append(f"  p50 TPOT {name}, paged_jax / vllm: {x:.2f}x")
+    return "\n".join(lines)
   lines.append(f"  highest common sustained rate: {r['highest_common_sustained_rate']}")
   if "p90_tpot_paged_jax_over_vllm" in r:
     lines.append(f"  p90 TPOT there, paged_jax / vllm: {r['p90_tpot_paged_jax_over_vllm']:.2f}x")
@@ -193,7 +250,8 @@ def main(argv):
   f = flags.FLAGS
   cfg = LatencyConfig(preset=f.preset, workload=f.workload, num_requests=f.num_requests,
                       rates=tuple(float(x) for x in f.rates), engines=tuple(f.engines),
-                      max_position=f.max_position, results_dir=f.results_dir)
+                      max_position=f.max_position, results_dir=f.results_dir,
+                      users=tuple(int(x) for x in f.users))
   r = run(cfg, f.model_dir)
   print(format_result(r))
   output.record(r, cfg.results_dir, "latency_bench")
@@ -204,6 +262,8 @@ if __name__ == "__main__":
   flags.DEFINE_enum("workload", "sharegpt", ["sharegpt", "alpaca"], "Synthetic workload.")
   flags.DEFINE_integer("num_requests", 64, "Requests per rate.")
   flags.DEFINE_list("rates", ["2", "4", "8"], "Poisson request rates (requests / s).")
+  flags.DEFINE_list("users", [], "Runs of N requests arriving together instead of the rates "
+                    "(1,4,16: a 1-, 4- and 16-user chat).")
   flags.DEFINE_list("engines", list(ENGINES), "Engines to run.")
   flags.DEFINE_integer("max_position", 1024, "Context the workload's lengths are scaled to.")
   flags.DEFINE_string("model_dir", None, "Reuse a saved model directory.")

@@ -3,6 +3,7 @@
   python -m experiments.profile_step                     # the serve benchmark's small model
   python -m experiments.profile_step --preset=large --steps_per_sync=4
   python -m experiments.profile_step --model_dir=D --dtype=bfloat16   # a checkpoint, in bf16
+  python -m experiments.profile_step --model_dir=D --num_requests=1    # one user (batch 1)
 
 Runs the serve benchmark's workload (experiments/serve_bench.py) through the engine once to
 compile, then traces one prefill step of every prompt and one decode round with
@@ -158,7 +159,8 @@ def main(argv):
   from absl import flags
   f = flags.FLAGS
   r = run(ProfileConfig(serve_bench.BenchConfig(preset=f.preset, steps_per_sync=f.steps_per_sync,
-                                                 dtype=f.dtype)),
+                                                 dtype=f.dtype,
+                                                 num_requests=f.num_requests)),
           f.model_dir)
   print(format_result(r))
 
@@ -169,4 +171,5 @@ if __name__ == "__main__":
   flags.DEFINE_integer("steps_per_sync", 16, "Decode steps in the profiled round.")
   flags.DEFINE_string("model_dir", None, "Reuse a saved model directory.")
   flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Weights and KV pool dtype.")
+  flags.DEFINE_integer("num_requests", 32, "Prompts of the workload (1: a single user's decode).")
   app.run(main)

@@ -43,7 +43,8 @@ __all__ = ["Summary", "block_summary", "merge_summaries", "finalize", "merge_sta
            "kernel_unavailable_reason", "IMPLS", "causal_ragged_attention", "prefill_attention",
            "step_attention", "DEFAULT_TILE_TOKENS", "DEFAULT_TILES_PER_CHUNK",
            "contiguous_attention", "validate_attention_inputs", "DEFAULT_BLOCK_TOKENS",
-           "decode_attention_xla", "DECODE_BLOCK_TOKENS", "DECODE_ITEMS_PER_CHUNK"]
+           "decode_attention_xla", "DECODE_BLOCK_TOKENS", "DECODE_ITEMS_PER_CHUNK",
+           "decode_items_per_chunk"]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -255,6 +256,16 @@ def paged_attention_xla(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, 
 # experiments/results/README.md, "Against vLLM's CPU build".
 DECODE_BLOCK_TOKENS = 32
 DECODE_ITEMS_PER_CHUNK = 64
+# ... but at most this many items per row of the batch: a chunk is gathered whole, so one that is
+# larger than the batch's work reads empty items (one user at 221 keys has 7 items; a 64-item
+# chunk gathers 57 empty ones per layer). SmolLM2-135M f32, one row, jax 0.12: 24.7 -> 18.4 ms
+# per decode step (experiments/results/README.md, "Latency for one user"). 8 rows and more keep 64.
+DECODE_ITEMS_PER_ROW = 8
+
+
+def decode_items_per_chunk(num_seqs: int) -> int:
+  """The default work items per loop iteration of `decode_attention_xla` for num_seqs rows."""
+  return max(1, min(DECODE_ITEMS_PER_CHUNK, DECODE_ITEMS_PER_ROW * num_seqs))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap",
@@ -262,7 +273,7 @@ DECODE_ITEMS_PER_CHUNK = 64
 def decode_attention_xla(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
                          scale: float | None = None, sliding_window: int | None = None,
                          soft_cap: float | None = None, pages_per_block: int | None = None,
-                         items_per_chunk: int = DECODE_ITEMS_PER_CHUNK, return_lse: bool = False):
+                         items_per_chunk: int | None = None, return_lse: bool = False):
   """Paged attention of one query per row (decode) on the XLA path, split by key block.
 
   `paged_attention_xla` runs every row for as many blocks as the longest row has; here each
@@ -275,7 +286,8 @@ def decode_attention_xla(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens,
     q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens: as in `paged_attention_xla`, with
       at most one query per row (its query at position seq_len - 1).
     pages_per_block: pages per work item; default DECODE_BLOCK_TOKENS // page_size.
-    items_per_chunk: work items per loop iteration (static).
+    items_per_chunk: work items per loop iteration (static); default
+      `decode_items_per_chunk(num_seqs)`.
     return_lse: also return f32[num_tokens, num_q_heads] log-sum-exp.
 
   Returns:
@@ -294,6 +306,8 @@ def decode_attention_xla(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens,
   if pages_per_block is None:
     pages_per_block = max(1, DECODE_BLOCK_TOKENS // page_size)
   pages_per_block = min(pages_per_block, max_pages_per_seq)
+  if items_per_chunk is None:
+    items_per_chunk = decode_items_per_chunk(num_seqs)
   max_blocks = -(-max_pages_per_seq // pages_per_block)
   block_tokens = pages_per_block * page_size
   tables = jnp.pad(block_tables, ((0, 0), (0, max_blocks * pages_per_block - max_pages_per_seq)),

@@ -430,7 +430,9 @@ def assemble_params(cfg: ModelConfig, family: Family, tensors, path: str) -> dic
     for part in key[:-1]:
       node = node.setdefault(part, {})
     node[key[-1]] = x
-  return params
+  # On the device whatever the source (GGUF tensors are NumPy): a step given host arrays copies
+  # every weight in on each call (SmolLM2-135M f32 from its GGUF: ~20 ms of a ~40 ms token).
+  return jax.device_put(params)
 
 
 def load_eos_token_ids(path: str) -> tuple[int, ...]:

@@ -158,6 +158,8 @@ class Engine(EngineLoop):
     self.model_parallel = sharding.axis_size(mesh, sharding.MODEL)
     if mesh is not None:
       params = sharding.shard_params(params, cfg, mesh)   # checks the heads divide
+    else:   # host (NumPy) params would be copied to the device by every step
+      params = jax.device_put(params)
     self.params, self.cfg, self.impl = params, cfg, impl
     self.validate_tables = (os.environ.get("PAGED_JAX_VALIDATE_TABLES") == "1"
                             if validate_tables is None else bool(validate_tables))

@@ -42,9 +42,17 @@ def token_bucket(n: int, minimum: int = 16) -> int:
 
 MIN_TABLE_WIDTH = 64   # block-table columns at least (or the model's whole context if less)
 MIN_Q_BUCKET = 64      # max_q_len of prefill chunks at least (one attention tile)
-MIN_DECODE_ROWS = 8    # decode rows at least (a decode step reads every weight once anyway)
+MIN_DECODE_ROWS = 8    # decode rows at least, past one (`decode_bucket`)
 MIN_PREFILL_ROWS = 4
 MIN_PREFILL_TOKENS = 64
+
+
+def decode_bucket(n: int) -> int:
+  """Padded decode rows for n sequences: 1 for one (a single user's stream decodes alone), else a
+  power of two >= MIN_DECODE_ROWS. One row against eight: SmolLM2-135M f32 on 2 cores, jax
+  0.12, 27.9 -> 22.2 ms per decode step (experiments/results/README.md, "Latency for one
+  user"): the weight reads are the same, the matmul and attention work is not."""
+  return 1 if n == 1 else next_pow2(n, MIN_DECODE_ROWS)
 
 
 def table_width(longest: int, max_pages_per_seq: int) -> int:
@@ -87,7 +95,7 @@ def build_step(plan: StepPlan, bm: BlockManager, max_pages_per_seq: int = 1) -> 
   """
   ps = bm.page_size
   decode, prefill = plan.decode_rows, plan.prefill_rows
-  num_decode = next_pow2(len(decode), MIN_DECODE_ROWS) if decode else 0
+  num_decode = decode_bucket(len(decode)) if decode else 0
   num_prefill_rows = next_pow2(len(prefill), MIN_PREFILL_ROWS) if prefill else 0
   chunk_lens = [r.stop - r.start for r in prefill]
   num_prefill_tokens = token_bucket(sum(chunk_lens), MIN_PREFILL_TOKENS) if prefill else 0
@@ -140,7 +148,7 @@ def build_decode_round(plan: StepPlan, bm: BlockManager, max_pages_per_seq: int 
   """Arrays of a k-step decode round: tokens, positions, write_limit i32[num_rows];
   block_tables i32[num_rows, width]; sampling (SamplingArrays). Padding rows have write_limit 0."""
   rows = plan.rows
-  num_rows = next_pow2(len(rows), MIN_DECODE_ROWS)
+  num_rows = decode_bucket(len(rows))
   tokens = np.zeros(num_rows, np.int32)
   positions = np.zeros(num_rows, np.int32)
   limits = np.zeros(num_rows, np.int32)

@@ -10,6 +10,7 @@ import pytest
 
 from experiments import (allocator_waste, attention_bench, attention_overhead, block_manager_bench,
                          copy_eval, cpu_parts_bench, demo, dtype_bench, fragmentation, latency_bench,
+                         layer_loop_bench,
                          mutation_score, ondevice_bench, page_size_sweep, pool_map, preemption,
                          profile_step, rate_sweep, serve_bench, sharing, step_bench, train_copy_model)
 
@@ -374,6 +375,49 @@ class ExperimentsTest(absltest.TestCase):
       self.assertGreater(x["normalized_latency_s_per_token"], 0)
     self.assertIn(20.0, rows["sustained_rates"])   # the lowest rate is its own baseline
     self.assertIn("rate  40.0/s", latency_bench.format_result(r))
+
+  def test_latency_bench_users(self):
+    # N users' requests arriving together: one run per N, no sustained rates.
+    import jax
+    from paged_jax import checkpoint
+    import shutil, tempfile
+    model_dir = tempfile.mkdtemp()
+    self.addCleanup(shutil.rmtree, model_dir)
+    r = latency_bench.run(latency_bench.LatencyConfig(
+        preset="tiny", users=(1, 3), engines=("paged_jax",), max_position=64, results_dir=None),
+        model_dir, progress=lambda *_: None)
+    self.assertEqual(list(r["engines"]["paged_jax"]), ["1 users", "3 users"])
+    self.assertGreater(r["engines"]["paged_jax"]["1 users"]["output_tokens"], 0)
+    self.assertLess(r["engines"]["paged_jax"]["1 users"]["output_tokens"],
+                    r["engines"]["paged_jax"]["3 users"]["output_tokens"])
+    self.assertNotIn("highest_common_sustained_rate", r)
+    self.assertIn("  3 users: TTFT", latency_bench.format_result(r))
+    floor = r["floor"]   # every weight once, plus the K/V of one request's mean context
+    self.assertEqual(floor["weight_bytes"], sum(x.nbytes for x in jax.tree.leaves(
+        checkpoint.load_checkpoint(model_dir)[0])))
+    self.assertGreater(floor["kv_bytes"], 0)
+    self.assertAlmostEqual(floor["tpot_s"], (floor["weight_bytes"] + floor["kv_bytes"])
+                           / floor["read_bytes_per_s"])
+    self.assertEqual([n for n, _, _ in latency_bench.runs(latency_bench.LatencyConfig(
+        users=(4,)))], ["4 users"])
+
+  def test_layer_loop_bench_routes_agree(self):
+    r = layer_loop_bench.run(layer_loop_bench.LoopConfig(hidden=8, intermediate=16,
+                                                         num_layers=(3,), rows=(1, 2), rounds=1))
+    self.assertEqual(sorted((x["route"], x["rows"]) for x in r["rows"]),
+                     sorted((route, rows) for route in layer_loop_bench.ROUTES for rows in (1, 2)))
+    self.assertTrue(all(x["step_s"] > 0 and x["compile_s"] > 0 for x in r["rows"]))
+    # the three loops compute the same function
+    import jax.numpy as jnp
+    w = (jnp.ones((3, 8, 32)) * 0.1, jnp.ones((3, 16, 8)) * 0.1)
+    x = jnp.arange(8.0)[None] / 8
+    outs = [layer_loop_bench._step(route, 16)(x, [(w[0][i], w[1][i]) for i in range(3)]
+                                              if route == "unrolled" else w)
+            for route in layer_loop_bench.ROUTES]
+    for o in outs[1:]:
+      np.testing.assert_allclose(o, outs[0], rtol=1e-6)
+    with self.assertRaisesRegex(ValueError, "route='loop'"):
+      layer_loop_bench._step("loop", 16)
 
   def test_latency_summary_definitions(self):
     s = latency_bench.summarize(arrival=[0.0, 1.0], first_token=[0.5, 1.25], finish=[2.5, 2.75],

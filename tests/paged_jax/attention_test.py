@@ -455,6 +455,18 @@ class DecodeWorkItemsTest(parameterized.TestCase):
     _, lse_blocked = attention.paged_attention_xla(*inp, max_q_len=1, return_lse=True, **kw)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_blocked), **TOL[jnp.float32])
 
+  @parameterized.parameters(221, 400)
+  def test_one_row_with_the_default_chunk(self, seq_len):
+    # One user: the default chunk shrinks to DECODE_ITEMS_PER_ROW items; at 400 keys (13 items
+    # of 32) the row's items spread over two loop iterations.
+    self.assertEqual(attention.decode_items_per_chunk(1), attention.DECODE_ITEMS_PER_ROW)
+    self.assertEqual(attention.decode_items_per_chunk(8), attention.DECODE_ITEMS_PER_CHUNK)
+    self.assertEqual(attention.decode_items_per_chunk(64), attention.DECODE_ITEMS_PER_CHUNK)
+    inp = testing.random_paged_inputs(17, [seq_len], q_lens=[1], page_size=16, num_kv_heads=3,
+                                      q_per_kv=3)
+    np.testing.assert_allclose(np.asarray(attention.decode_attention_xla(*inp), np.float64),
+                               testing.naive_paged_attention(*inp), **TOL[jnp.float32])
+
   def test_the_dispatcher_sends_decode_rows_here(self):
     inp = testing.random_paged_inputs(3, [9, 30, 2], page_size=4, pad_tokens=1)
     chex.assert_trees_all_equal(attention.paged_attention(*inp, max_q_len=1, impl="xla"),

@@ -239,6 +239,15 @@ class EngineTest(absltest.TestCase):
     self.assertEqual(CacheConfig(page_size=4).resolve_num_pages(
         CFG, {"bytes_limit": 10 * per_page, "bytes_in_use": 0}), 9)   # 0.9 of what is free
 
+  def test_host_params_are_put_on_the_device_once(self):
+    # NumPy params (a GGUF file's tensors) left on the host are copied in by every step.
+    import jax
+    host = jax.tree.map(np.asarray, PARAMS)
+    e = Engine(host, CFG, cache=CacheConfig(page_size=4, num_pages=16), impl="xla")
+    self.assertTrue(all(isinstance(x, jax.Array) for x in jax.tree.leaves(e.params)))
+    self.assertEqual(e.generate([PROMPTS[0]], SamplingParams(max_tokens=3))[0].outputs[0].token_ids,
+                     dense(PROMPTS[0], 3))
+
   def test_text_with_the_embedded_tokenizer(self):
     from paged_jax import embedded
     params, cfg, tok = embedded.load_embedded()

@@ -13,6 +13,7 @@ import shutil
 import tempfile
 
 from absl.testing import absltest, parameterized
+import jax
 import numpy as np
 
 from paged_jax import checkpoint, testing
@@ -234,6 +235,8 @@ class GGUFErrorsTest(absltest.TestCase):
   def test_good_file_loads(self):   # the base every error case edits
     params, cfg, _ = checkpoint.load_checkpoint(self.good)
     self.assertEqual(cfg.num_layers, self.cfg.num_layers)
+    # on the device, not NumPy: a step given host arrays copies every weight in on each call
+    self.assertTrue(all(isinstance(x, jax.Array) for x in jax.tree.leaves(params)))
 
   def test_unsupported_architecture(self):
     path = self._write("gpt2.gguf", arch="gpt2")
