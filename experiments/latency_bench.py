@@ -5,6 +5,7 @@ a few Poisson request rates, both engines fed the same requests at the same arri
   python -m experiments.latency_bench --preset=large --rates=0.25,0.5 --num_requests=16
   python -m experiments.latency_bench --engines=paged_jax      # without vLLM
   python -m experiments.latency_bench --model_dir=D --users=1,4,16   # N users at once (a chat)
+  python -m experiments.latency_bench --model_dir=D --users=1 --engines=paged_jax --scan_layers
 
 The model is the serve benchmark's random-init preset (HF format, float32); the requests are the
 serve command's synthetic workload (`paged_jax.serve.make_requests`: ShareGPT-like lengths scaled
@@ -44,6 +45,7 @@ class LatencyConfig:
   num_requests: int = 64
   rates: tuple[float, ...] = (2.0, 4.0, 8.0)
   users: tuple[int, ...] = ()   # non-empty: runs of N requests arriving at once, not the rates
+  scan_layers: bool = False     # our engine's layers as a lax.scan (`Engine(scan_layers=)`)
   engines: tuple[str, ...] = ENGINES
   max_position: int = 1024   # the workload's lengths are scaled to this context
   page_size: int = 16
@@ -85,6 +87,7 @@ def _serve_config(cfg: LatencyConfig, path: str, rate: float, num_requests: int 
   return serve.ServeConfig(model_dir=path, workload=cfg.workload,
                            num_requests=cfg.num_requests if num_requests is None else num_requests,
                            request_rate=rate, seed=cfg.seed, warmup=True, progress=False,
+                           scan_layers=cfg.scan_layers,
                            page_size=cfg.page_size, steps_per_sync=cfg.steps_per_sync,
                            ignore_eos=True)
 
@@ -159,6 +162,7 @@ def run(cfg: LatencyConfig, model_dir: str | None = None, progress=print) -> dic
               for name, n, rate in runs(cfg)}
   names = [name for name, _, _ in runs(cfg)]
   result = dict(kind="latency_bench", config=dataclasses.asdict(cfg), engines={}, skipped={},
+                model=model_dir or cfg.preset,
                 input_tokens=sum(len(r.prompt) for r in requests[names[-1]]))
   engines = list(cfg.engines)
   if "vllm" in engines:
@@ -208,7 +212,9 @@ def format_result(r: dict) -> str:
   users = bool(c.get("users"))
   what = ("N users' requests arriving together" if users else
           f"{c['num_requests']} requests, Poisson arrivals")
-  lines = [f"latency bench [{c['preset']}, {c['workload']}]: {what} ({r['input_tokens']} prompt "
+  layers = ", layers as a scan" if c.get("scan_layers") else ""
+  lines = [f"latency bench [{r.get('model', c['preset'])}, {c['workload']}{layers}]: {what} "
+           f"({r['input_tokens']} prompt "
            f"tokens in the last run); TTFT / TPOT ms p50 / p90, normalized latency ms/token"]
   names = ([f"{n} users" for n in c["users"]] if users else [str(rate) for rate in c["rates"]])
   for e, rows in r["engines"].items():
@@ -251,7 +257,7 @@ def main(argv):
   cfg = LatencyConfig(preset=f.preset, workload=f.workload, num_requests=f.num_requests,
                       rates=tuple(float(x) for x in f.rates), engines=tuple(f.engines),
                       max_position=f.max_position, results_dir=f.results_dir,
-                      users=tuple(int(x) for x in f.users))
+                      users=tuple(int(x) for x in f.users), scan_layers=f.scan_layers)
   r = run(cfg, f.model_dir)
   print(format_result(r))
   output.record(r, cfg.results_dir, "latency_bench")
@@ -265,6 +271,7 @@ if __name__ == "__main__":
   flags.DEFINE_list("users", [], "Runs of N requests arriving together instead of the rates "
                     "(1,4,16: a 1-, 4- and 16-user chat).")
   flags.DEFINE_list("engines", list(ENGINES), "Engines to run.")
+  flags.DEFINE_bool("scan_layers", False, "paged_jax's layers as a lax.scan (serve --scan_layers).")
   flags.DEFINE_integer("max_position", 1024, "Context the workload's lengths are scaled to.")
   flags.DEFINE_string("model_dir", None, "Reuse a saved model directory.")
   flags.DEFINE_string("results_dir", output.RESULTS, "Where the JSONL goes ('' for none).")

@@ -58,7 +58,7 @@ def pool_bytes_per_device(engine) -> int:
   per_device: dict = {}
   replicas = getattr(engine, "replicas", [engine])
   for e in replicas:
-    for x in e.pool.k + e.pool.v:
+    for x in (e.pool.k, e.pool.v):
       for shard in x.addressable_shards:
         per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
   return max(per_device.values())

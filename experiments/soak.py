@@ -68,7 +68,7 @@ class FaultySteps:
         self.injected += 1
         if self.rng.random() < 0.25:
           self.pool_destroyed += 1
-          for x in pool.k + pool.v:
+          for x in (pool.k, pool.v):
             x.delete()
         raise RuntimeError(f"injected fault #{self.injected}")
       return fn(params, pool, *args, **kw)

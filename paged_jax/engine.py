@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax import page_ops, sharding, step
+from paged_jax import model, page_ops, sharding, step
 from paged_jax.config import CacheConfig, ModelConfig
 from paged_jax.host import batching
 from paged_jax.host.addressing import pages_needed
@@ -141,15 +141,24 @@ class Engine(EngineLoop):
       the "model" devices (`paged_jax.sharding`: params split Megatron-style, the pool split on
       its KV heads, the host side unchanged). None: one device. Several data replicas:
       `paged_jax.data_parallel.DataParallelEngine`.
+    scan_layers: run the layers as a `lax.scan` over stacked layer params
+      (`model.stack_layers`): every step compiles one layer body per group of layers, not one
+      per layer (compile time stops growing with depth). Off: the layers are unrolled, which
+      reads each weight in place (a scan slices each layer's weights out of the stack, a copy
+      on XLA:CPU; `experiments.layer_loop_bench`). Not yet with a mesh.
   """
 
   def __init__(self, params, cfg: ModelConfig, *, cache: CacheConfig = CacheConfig(),
                scheduler: SchedulerConfig = SchedulerConfig(), impl: str = "auto", seed: int = 0,
                tokenizer=None, eos_token_ids: Iterable[int] = (),
                steps: StepFunctions = StepFunctions(), validate_tables: bool | None = None,
-               scrub_freed_pages: bool = False, max_step_retries: int = 2, mesh=None):
+               scrub_freed_pages: bool = False, max_step_retries: int = 2, mesh=None,
+               scan_layers: bool = False):
     if max_step_retries < 1:
       raise ValueError(f"max_step_retries={max_step_retries} must be >= 1")
+    if scan_layers and mesh is not None:
+      raise ValueError("scan_layers=True with a mesh is not supported yet (the stacked params' "
+                       "shardings): run the layers unrolled (scan_layers=False) on a mesh")
     if mesh is not None and sharding.axis_size(mesh, sharding.DATA) != 1:
       raise ValueError(f"mesh {dict(mesh.shape)} has {sharding.axis_size(mesh, sharding.DATA)} "
                        f"data replicas; one Engine runs one (use "
@@ -160,6 +169,9 @@ class Engine(EngineLoop):
       params = sharding.shard_params(params, cfg, mesh)   # checks the heads divide
     else:   # host (NumPy) params would be copied to the device by every step
       params = jax.device_put(params)
+    self.scan_layers = scan_layers
+    if scan_layers and params is not None:
+      params = model.stack_layers(params, cfg)
     self.params, self.cfg, self.impl = params, cfg, impl
     self.validate_tables = (os.environ.get("PAGED_JAX_VALIDATE_TABLES") == "1"
                             if validate_tables is None else bool(validate_tables))

@@ -6,6 +6,7 @@ import functools
 
 import chex
 import jax
+import jax.numpy as jnp
 
 from paged_jax.state import KVPool
 
@@ -29,11 +30,19 @@ def write_kv(pool: KVPool, layer: int, k: jax.Array, v: jax.Array, slots: jax.Ar
   chex.assert_shape(k, (slots.shape[0], pool.num_kv_heads, pool.head_dim))
   if not 0 <= layer < pool.num_layers:
     raise ValueError(f"layer={layer} is outside [0, num_layers={pool.num_layers})")
-  return pool.with_layer(layer, write_kv_layer(pool.k[layer], k, slots),
-                         write_kv_layer(pool.v[layer], v, slots))
+  slots = slots + pool.layer_offset(layer) * pool.page_size   # into the flat view
+  pages_k, pages_v = pool.flat()
+  return pool.from_flat(write_kv_layer(pages_k, k, slots), write_kv_layer(pages_v, v, slots))
 
 
 def write_kv_layer(pages: jax.Array, x: jax.Array, slots: jax.Array) -> jax.Array:
-  """One layer's `pages` [num_pages, page_size, K, D] with x[t] stored at slot slots[t]."""
+  """`pages` [num_pages, page_size, K, D] (one layer, or the pool's flat view with offset slots)
+  with x[t] stored at slot slots[t]."""
   page_size = pages.shape[1]
+  if slots.shape[0] == 1:
+    # One token (a single user's decode): written twice to the same slot, so that XLA keeps a
+    # scatter. A one-index scatter becomes a dynamic-update-slice, which XLA:CPU fuses with the
+    # step's reads of the same pages and then copies the whole pool around, every layer of every
+    # step (SmolLM2-135M's pool: ~0.1 s per token).
+    slots, x = jnp.concatenate([slots, slots]), jnp.concatenate([x, x])
   return pages.at[slots // page_size, slots % page_size].set(x.astype(pages.dtype))

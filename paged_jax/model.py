@@ -35,11 +35,13 @@ class PagedKV:
   md: AttentionMetadata
   impl: str = flax.struct.field(pytree_node=False, default="auto")
 
-  def attend(self, layer: int, q, k, v, *, sliding_window, scale=None, soft_cap=None,
-             select=None):
+  def attend(self, layer, q, k, v, *, sliding_window, scale=None, soft_cap=None, select=None):
     """Writes K/V of this step's tokens by slot, then paged attention.
 
     Args:
+      layer: the layer, an int or a traced i32 scalar (inside a scan over layers): its pages
+        are reached through the pool's flat view, block tables and slots offset by
+        `KVPool.layer_offset` (no slice of the pool).
       q: [T, H, D] queries of every token, or with `select` [S, H, D] of the tokens it names.
       k, v: [T, K, D] of every token (all are written).
       select: i32[S] token indices whose queries alone are wanted (the last layer, when only
@@ -49,17 +51,23 @@ class PagedKV:
     Without `select`, decode rows and prefill chunks run as `attention.step_attention` splits
     them (one kernel launch on a GPU; decode rows and prefill rows apart on the XLA path).
     """
-    def local(q, k, v, pages_k, pages_v, md, select):   # one device's heads (or all of them)
+    def local(q, k, v, pool_k, pool_v, md, select, offset):   # one device's heads (or all)
+      shape = pool_k.shape
+      pages_k = pool_k.reshape((shape[0] * shape[1],) + shape[2:])
+      pages_v = pool_v.reshape(pages_k.shape)
+      md = md.replace(block_tables=md.block_tables + offset,
+                      slots=md.slots + offset * shape[2])
       with jax.named_scope("kv_write"):
         pages_k = write_kv_layer(pages_k, k, md.slots)
         pages_v = write_kv_layer(pages_v, v, md.slots)
       with jax.named_scope("attention"):
         o = self._attention(md, pages_k, pages_v, q, k, v, select, sliding_window=sliding_window,
                             scale=scale, soft_cap=soft_cap)
-      return o, pages_k, pages_v
-    o, pages_k, pages_v = sharding.over_kv_heads(local, q, k, v, self.pool.k[layer],
-                                                 self.pool.v[layer], self.md, select)
-    return o, self.replace(pool=self.pool.with_layer(layer, pages_k, pages_v))
+      return o, pages_k.reshape(shape), pages_v.reshape(shape)
+    offset = jnp.asarray(self.pool.layer_offset(layer), jnp.int32)
+    o, pool_k, pool_v = sharding.over_kv_heads(local, q, k, v, self.pool.k, self.pool.v, self.md,
+                                               select, offset)
+    return o, self.replace(pool=self.pool.replace(k=pool_k, v=pool_v))
 
   def _attention(self, md, pages_k, pages_v, q, k, v, select, **kw):
     if select is None:
@@ -150,13 +158,16 @@ class Embed(nn.Embed):
 
 
 class Attention(nn.Module):
+  """layer: static, names the layer's window (`ModelConfig.layer_window`) and, unless kv_layer is
+  given, its layer of the pool."""
   cfg: ModelConfig
   layer: int
 
   @nn.compact
-  def __call__(self, x, kv, rope, select=None):
+  def __call__(self, x, kv, rope, select=None, kv_layer=None):
     """rope: this layer's `rotary.tables` (cos, sin) f32[T, head_dim // 2] of every token.
-    select: i32[S] tokens whose outputs alone are wanted (K/V are still written for all)."""
+    select: i32[S] tokens whose outputs alone are wanted (K/V are still written for all).
+    kv_layer: the pool layer, when it is traced (a scan over layers); default `layer`."""
     cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
     num_tokens = x.shape[0]
     cos, sin = rope
@@ -172,7 +183,8 @@ class Attention(nn.Module):
       q = rotary.rotate(q, *q_rope)
       k = rotary.rotate(k, cos, sin)
     v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-    o, kv = kv.attend(self.layer, q, k, v, sliding_window=cfg.layer_window(self.layer),
+    o, kv = kv.attend(self.layer if kv_layer is None else kv_layer, q, k, v,
+                      sliding_window=cfg.layer_window(self.layer),
                       scale=cfg.query_scale, soft_cap=cfg.attn_soft_cap, select=select)
     o = _dense(cfg.hidden_size, "o_proj", dt)(o.reshape(q.shape[0], -1).astype(dt))
     return o, kv
@@ -227,8 +239,78 @@ def activation(name: str, x):
   raise ValueError(f"hidden_act={name!r} is not supported")
 
 
+def _decode(cfg: ModelConfig, part, tokens, positions, kv, logits_indices, run_layers):
+  """The decoder around its layers: embedding, RoPE tables, `run_layers`, final norm, LM head.
+
+  part(name, cls, *args, **kw): the module `cls(*args, **kw)` as the parameter subtree `name`
+  (a submodule of `Decoder`, or one bound to given params in `scanned_forward`).
+  run_layers(x, kv, ropes) -> (x, kv): ropes maps `rope_key(cfg, i)` to layer i's tables.
+  """
+  dt = jnp.dtype(cfg.dtype)
+  embed = part("embed_tokens", Embed, cfg.vocab_size, cfg.hidden_size, dtype=dt, param_dtype=dt,
+               embedding_init=nn.initializers.normal(0.02))
+  x = embed(tokens)
+  if cfg.scale_embeddings:   # Gemma: sqrt(hidden) rounded to the dtype first, as transformers
+    # Materialized (computed_once), as a scan's carry is: fused into layer 0's norm instead,
+    # XLA rounds it differently (logits ~2e-6 apart, unrolled against scanned).
+    x = computed_once(lambda e: e * jnp.asarray(cfg.hidden_size ** 0.5, jnp.float32).astype(dt),
+                      x)
+  ropes = {}   # one (cos, sin) per distinct RoPE of the layers (Gemma 3 has two)
+  for i in range(cfg.num_layers):
+    key = rope_key(cfg, i)
+    if key not in ropes:
+      inv_freq, factor = cfg.layer_rope(i)
+      with jax.named_scope("rope"):
+        ropes[key] = computed_once(
+            lambda p, f=inv_freq, a=factor: rotary.tables(p, f, a), positions)
+  x, kv = run_layers(x, kv, ropes)
+  x = part("norm", RMSNorm, cfg.rms_norm_eps, dt, cfg.unit_offset_norms)(x)
+  if cfg.tie_embeddings:
+    logits = embed.attend(x)
+  else:
+    logits = part("lm_head", nn.Dense, cfg.vocab_size, use_bias=False, dtype=dt,
+                  param_dtype=dt, kernel_init=nn.initializers.normal(0.02),
+                  dot_general=matmul.dot_general)(x)
+  logits = logits.astype(jnp.float32)
+  if cfg.final_soft_cap is not None:
+    logits = cfg.final_soft_cap * jnp.tanh(logits / cfg.final_soft_cap)
+  return logits, kv
+
+
+def _layer(cfg: ModelConfig, layer: int, part, x, kv, rope, select=None, kv_layer=None):
+  """One decoder layer; part(name, cls, *args) as in `_decode`, within the layer.
+
+  layer: static (its window and RoPE); kv_layer: its pool layer when traced. select: the last
+  layer's tokens whose outputs alone are wanted.
+  """
+  dt = jnp.dtype(cfg.dtype)
+  norm_args = (RMSNorm, cfg.rms_norm_eps, dt, cfg.unit_offset_norms)
+  h = part("input_layernorm", *norm_args)(x)
+  h, kv = part("self_attn", Attention, cfg, layer)(h, kv, rope, select, kv_layer)
+  if cfg.sandwich_norms:
+    h = part("post_attention_layernorm", *norm_args)(h)
+  x = (x if select is None else x[select]) + h
+  # Llama calls the MLP's input norm post_attention_layernorm; Gemma, pre_feedforward.
+  h = part("pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm",
+           *norm_args)(x)
+  h = part("mlp", MLP, cfg)(h)
+  if cfg.sandwich_norms:
+    h = part("post_feedforward_layernorm", *norm_args)(h)
+  return x + h, kv
+
+
+def rope_key(cfg: ModelConfig, layer: int):
+  """Layers with equal keys rotate by the same tables."""
+  inv_freq, factor = cfg.layer_rope(layer)
+  return inv_freq.tobytes(), factor
+
+
 class Decoder(nn.Module):
-  """tokens i32[num_tokens] (ragged, as in AttentionMetadata) -> logits f32[num_out, vocab_size]."""
+  """tokens i32[num_tokens] (ragged, as in AttentionMetadata) -> logits f32[num_out, vocab_size].
+
+  The layers run as a Python loop over per-layer parameters (`layers_{i}_self_attn/...`, Hugging
+  Face's names): every compiled step holds each layer's code once. `stack_layers` and
+  `scanned_forward` run the same model as a `lax.scan` over stacked layer parameters."""
   cfg: ModelConfig
 
   @nn.compact
@@ -244,42 +326,122 @@ class Decoder(nn.Module):
     With logits_indices, the last layer runs queries, attention, o_proj and MLP for those
     tokens only (every token's K/V is still written): nothing after it reads the others.
     """
-    cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
-    embed = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dt, param_dtype=dt,
-                  name="embed_tokens", embedding_init=nn.initializers.normal(0.02))
-    x = embed(tokens)
-    if cfg.scale_embeddings:   # Gemma: sqrt(hidden) rounded to the dtype first, as transformers
-      x = x * jnp.asarray(cfg.hidden_size ** 0.5, jnp.float32).astype(dt)
-    rope_tables = {}   # one (cos, sin) per distinct RoPE of the layers (Gemma 3 has two)
-    for i in range(cfg.num_layers):
-      inv_freq, factor = cfg.layer_rope(i)
-      key = (inv_freq.tobytes(), factor)
-      if key not in rope_tables:
-        with jax.named_scope("rope"):
-          rope_tables[key] = computed_once(
-              lambda p, f=inv_freq, a=factor: rotary.tables(p, f, a), positions)
-      select = logits_indices if i == cfg.num_layers - 1 else None
-      h = norm(cfg, f"layers_{i}_input_layernorm")(x)
-      h, kv = Attention(cfg, i, name=f"layers_{i}_self_attn")(h, kv, rope_tables[key], select)
-      if cfg.sandwich_norms:
-        h = norm(cfg, f"layers_{i}_post_attention_layernorm")(h)
-      x = (x if select is None else x[select]) + h
-      # Llama calls the MLP's input norm post_attention_layernorm; Gemma, pre_feedforward.
-      h = norm(cfg, f"layers_{i}_pre_feedforward_layernorm" if cfg.sandwich_norms
-               else f"layers_{i}_post_attention_layernorm")(x)
-      h = MLP(cfg, name=f"layers_{i}_mlp")(h)
-      if cfg.sandwich_norms:
-        h = norm(cfg, f"layers_{i}_post_feedforward_layernorm")(h)
-      x = x + h
-    x = norm(cfg, "norm")(x)
-    if cfg.tie_embeddings:
-      logits = embed.attend(x)
-    else:
-      logits = _dense(cfg.vocab_size, "lm_head", dt)(x)
-    logits = logits.astype(jnp.float32)
-    if cfg.final_soft_cap is not None:
-      logits = cfg.final_soft_cap * jnp.tanh(logits / cfg.final_soft_cap)
-    return logits, kv
+    cfg = self.cfg
+
+    def part(name, cls, *args, **kw):
+      return cls(*args, name=name, **kw)
+
+    def run_layers(x, kv, ropes):
+      for i in range(cfg.num_layers):
+        select = logits_indices if i == cfg.num_layers - 1 else None
+        in_layer = lambda name, cls, *a, i=i, **kw: part(f"layers_{i}_{name}", cls, *a, **kw)
+        x, kv = _layer(cfg, i, in_layer, x, kv, ropes[rope_key(cfg, i)], select)
+      return x, kv
+
+    return _decode(cfg, part, tokens, positions, kv, logits_indices, run_layers)
+
+
+# ------------------------------------------------------------------------ layers as a scan
+
+# Longest repeating pattern of layer kinds a scan body holds (Gemma 3: five local, one global).
+MAX_LAYER_PERIOD = 8
+
+
+def layer_kind(cfg: ModelConfig, layer: int):
+  """What a scan body must know statically about a layer: its window and its RoPE."""
+  return cfg.layer_window(layer), rope_key(cfg, layer)
+
+
+def layer_groups(cfg: ModelConfig) -> tuple[tuple[int, int, int], ...]:
+  """The layers as (start, period, reps) runs: layers start .. start + period * reps - 1 repeat a
+  pattern of `period` kinds `reps` times (one scan whose body holds `period` layers; a period
+  longer than 1 only when it repeats). Greedy from layer 0, the run covering the most layers
+  first (the shortest period on ties); the last layer
+  is always a run of its own (it alone computes only the selected tokens' outputs)."""
+  kinds = [layer_kind(cfg, i) for i in range(cfg.num_layers)]
+  n = cfg.num_layers - 1
+  groups, j = [], 0
+  while j < n:
+    best = (1, 1)
+    for period in range(1, min(MAX_LAYER_PERIOD, n - j) + 1):
+      reps = 1
+      while (j + (reps + 1) * period <= n and
+             kinds[j + reps * period:j + (reps + 1) * period] == kinds[j:j + period]):
+        reps += 1
+      if (reps > 1 or period == 1) and period * reps > best[0] * best[1]:
+        best = (period, reps)   # a pattern seen once is no scan: one layer at a time then
+    groups.append((j,) + best)
+    j += best[0] * best[1]
+  groups.append((n, 1, 1))
+  return tuple(groups)
+
+
+def is_stacked(params) -> bool:
+  """Params in `stack_layers`' layout (they run through `scanned_forward`)."""
+  return "layers" in params
+
+
+def stack_layers(params, cfg: ModelConfig) -> dict:
+  """Per-layer params (`layers_{i}_...`) -> the scan layout: params["layers"][g][j] holds the
+  j-th layer of each repetition of group g of `layer_groups(cfg)`, every leaf stacked over the
+  repetitions [reps, ...] (unstacked where reps == 1). Other entries are kept as they are.
+  Copies every layer weight once; drop the per-layer params after."""
+  if is_stacked(params):
+    raise ValueError("params are stacked already")
+  prefixes = [f"layers_{i}_" for i in range(cfg.num_layers)]
+
+  def layer(i):
+    return {k[len(prefixes[i]):]: v for k, v in params.items() if k.startswith(prefixes[i])}
+  out = {k: v for k, v in params.items() if not any(k.startswith(p) for p in prefixes)}
+  groups = []
+  for start, period, reps in layer_groups(cfg):
+    phases = []
+    for j in range(period):
+      trees = [layer(start + r * period + j) for r in range(reps)]
+      phases.append(trees[0] if reps == 1 else jax.tree.map(lambda *xs: jnp.stack(xs), *trees))
+    groups.append(tuple(phases))
+  out["layers"] = tuple(groups)
+  return out
+
+
+def scanned_forward(params, cfg: ModelConfig, tokens, positions, kv, logits_indices=None):
+  """`Decoder(cfg).apply` on `stack_layers` params, each group of layers one `lax.scan`: a
+  compiled step holds one body per group (one for a Llama, whatever its depth). Same arguments
+  and results as `Decoder.__call__`."""
+  def bound(tree):
+    def part(name, cls, *args, **kw):
+      return cls(*args, **kw).bind({"params": tree[name]})
+    return part
+
+  def run_layers(x, kv, ropes):
+    for g, (start, period, reps) in enumerate(layer_groups(cfg)):
+      phases = params["layers"][g]
+      if reps == 1:
+        for j in range(period):
+          i = start + j
+          select = logits_indices if i == cfg.num_layers - 1 else None
+          x, kv = _layer(cfg, i, bound(phases[j]), x, kv, ropes[rope_key(cfg, i)], select)
+        continue
+
+      def body(carry, xs, start=start, period=period):
+        x, kv = carry
+        r, trees = xs
+        for j in range(period):
+          x, kv = _layer(cfg, start + j, bound(trees[j]), x, kv,
+                         ropes[rope_key(cfg, start + j)], kv_layer=start + r * period + j)
+        return (x, kv), None
+      (x, kv), _ = jax.lax.scan(body, (x, kv), (jnp.arange(reps, dtype=jnp.int32), phases))
+    return x, kv
+
+  return _decode(cfg, bound(params), tokens, positions, kv, logits_indices, run_layers)
+
+
+def apply(params, cfg: ModelConfig, tokens, positions, kv, logits_indices=None):
+  """The model on either layout: per-layer params through `Decoder`, stacked ones through
+  `scanned_forward`."""
+  if is_stacked(params):
+    return scanned_forward(params, cfg, tokens, positions, kv, logits_indices)
+  return Decoder(cfg).apply({"params": params}, tokens, positions, kv, logits_indices)
 
 
 def computed_once(fn, *args):

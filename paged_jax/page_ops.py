@@ -29,8 +29,8 @@ def copy_pages(pool: KVPool, src: jax.Array, dst: jax.Array) -> KVPool:
   """
   if src.shape != dst.shape or src.ndim != 1:
     raise ValueError(f"src {src.shape} and dst {dst.shape} must be equal 1-D shapes")
-  return pool.replace(k=tuple(x.at[dst].set(x[src]) for x in pool.k),
-                      v=tuple(x.at[dst].set(x[src]) for x in pool.v))
+  return pool.replace(k=pool.k.at[:, dst].set(pool.k[:, src]),
+                      v=pool.v.at[:, dst].set(pool.v[:, src]))
 
 
 def check_copy_batch(src, dst) -> None:
@@ -69,7 +69,7 @@ def read_pages(pool: KVPool, pages) -> tuple[np.ndarray, np.ndarray]:
 
 @jax.jit
 def _read(pool: KVPool, idx: jax.Array):
-  return jnp.stack([x[idx] for x in pool.k]), jnp.stack([x[idx] for x in pool.v])
+  return pool.k[:, idx], pool.v[:, idx]
 
 
 def write_pages(pool: KVPool, pages, k, v) -> KVPool:
@@ -85,7 +85,7 @@ def write_pages(pool: KVPool, pages, k, v) -> KVPool:
   want = (pool.num_layers, n, pool.page_size, pool.num_kv_heads, pool.head_dim)
   if tuple(k.shape) != want or tuple(v.shape) != want:
     raise ValueError(f"k / v shapes {tuple(k.shape)} / {tuple(v.shape)} do not match {n} pages "
-                     f"of a pool with {pool.num_layers} layers of {pool.k[0].shape}: expected "
+                     f"of a pool of shape {pool.k.shape}: expected "
                      f"{want}")
   m = _padded(n)   # padding writes zeros into NULL_PAGE, the scratch page padding rows use
   idx = np.full(m, NULL_PAGE, np.int32)
@@ -96,8 +96,8 @@ def write_pages(pool: KVPool, pages, k, v) -> KVPool:
 
 @functools.partial(jax.jit, donate_argnames=("pool",))
 def _write(pool: KVPool, pages: jax.Array, k: jax.Array, v: jax.Array) -> KVPool:
-  return pool.replace(k=tuple(x.at[pages].set(k[i].astype(pool.dtype)) for i, x in enumerate(pool.k)),
-                      v=tuple(x.at[pages].set(v[i].astype(pool.dtype)) for i, x in enumerate(pool.v)))
+  return pool.replace(k=pool.k.at[:, pages].set(k.astype(pool.dtype)),
+                      v=pool.v.at[:, pages].set(v.astype(pool.dtype)))
 
 
 @functools.partial(jax.jit, donate_argnames=("pool",))
@@ -109,5 +109,4 @@ def zero_pages(pool: KVPool, pages: jax.Array) -> KVPool:
     pool: KVPool; donated.
     pages: i32[n].
   """
-  return pool.replace(k=tuple(x.at[pages].set(0) for x in pool.k),
-                      v=tuple(x.at[pages].set(0) for x in pool.v))
+  return pool.replace(k=pool.k.at[:, pages].set(0), v=pool.v.at[:, pages].set(0))

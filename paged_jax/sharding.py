@@ -45,7 +45,7 @@ _COLUMN = ("q_proj", "gate_proj", "up_proj")
 _KV = ("k_proj", "v_proj")          # column-parallel, or replicated when KV heads are replicated
 _ROW = ("o_proj", "down_proj")
 
-POOL_SPEC = P(None, None, MODEL, None)   # dtype[num_pages, page_size, stored_kv_heads, head_dim]
+POOL_SPEC = P(None, None, None, MODEL, None)   # [layers, pages, page_size, stored_kv_heads, D]
 HEADS_SPEC = P(None, MODEL, None)        # [num_tokens, heads, head_dim]
 
 
@@ -170,9 +170,9 @@ def over_kv_heads(fn, q, k, v, pages_k, pages_v, *replicated):
   mesh has a "model" axis of more than one device; plain `fn(...)` otherwise.
 
   Args:
-    q: [T, num_q_heads, D]; k, v: [T, num_kv_heads, D]; pages_k, pages_v: one layer's pool
-      dtype[num_pages, page_size, stored_kv_heads, D] (k and v are repeated to the stored heads
-      when KV heads are replicated).
+    q: [T, num_q_heads, D]; k, v: [T, num_kv_heads, D]; pages_k, pages_v: the pool's
+      dtype[num_layers, num_pages, page_size, stored_kv_heads, D] (k and v are repeated to the
+      stored heads when KV heads are replicated).
     replicated: pytrees every device sees whole (metadata, token indices).
 
   fn returns (o [T, num_q_heads_local, D], pages_k, pages_v) on local heads.
@@ -181,7 +181,7 @@ def over_kv_heads(fn, q, k, v, pages_k, pages_v, *replicated):
   model = axis_size(mesh, MODEL)
   if model == 1:
     return fn(q, k, v, pages_k, pages_v, *replicated)
-  stored = pages_k.shape[2]
+  stored = pages_k.shape[3]
   if stored != k.shape[1]:   # replicated KV heads: head j of the pool is KV head j // r
     k = jnp.repeat(k, stored // k.shape[1], axis=1)
     v = jnp.repeat(v, stored // v.shape[1], axis=1)

@@ -1,18 +1,21 @@
 """Device-side state: the paged KV pool and one step's attention metadata.
 
-Both are frozen `flax.struct` pytrees; transitions return new values (`pool.with_layer(...)`).
-This module fixes the pool layout once for the whole project:
+Both are frozen `flax.struct` pytrees; transitions return new values. This module fixes the pool
+layout once for the whole project:
 
-  k, v: num_layers arrays dtype[num_pages, page_size, num_kv_heads, head_dim] (a tuple)
+  k, v: dtype[num_layers, num_pages, page_size, num_kv_heads, head_dim]
 
-One array per layer, not one [num_layers, ...] array: a step writes a layer's K/V in place and
-then reads that layer's pages; out of a single array, that read is a slice of an array just
-updated, which XLA materialises as a copy of the whole layer, every layer of every step (decode
-cost would grow with the pool's size, not with what it reads). `stacked()` gives the
-[num_layers, ...] view when one is wanted (tests, inspection).
+Layer `l`'s page `p` is also page `l * num_pages + p` of the flat view
+[num_layers * num_pages, page_size, num_kv_heads, head_dim] (a free reshape): a step writes a
+layer's K/V and reads its pages through that view with its block tables and slots offset by
+`layer_offset(layer)` pages, never slicing the layer out. A slice of an array just updated is
+materialised by XLA as a copy of the whole layer, every layer of every step (decode cost would
+grow with the pool's size, not with what it reads); the offset also works for a traced layer
+index, so the layers can run as a `lax.scan` (`model.scanned_forward`).
 
 Page `NULL_PAGE` (0) is never allocated. Padding rows of a block table, and write slots of padding
-tokens, point into it; its contents are garbage on purpose, and every reader masks by `seq_lens`.
+tokens, point into it (into each layer's page 0 once offset); its contents are garbage on purpose,
+and every reader masks by `seq_lens`.
 """
 
 from __future__ import annotations
@@ -29,11 +32,11 @@ class KVPool:
   """Paged K/V for every layer.
 
   Attributes:
-    k: tuple of num_layers arrays dtype[num_pages, page_size, num_kv_heads, head_dim].
-    v: same shapes and dtype as `k`.
+    k: dtype[num_layers, num_pages, page_size, num_kv_heads, head_dim].
+    v: same shape and dtype as `k`.
   """
-  k: tuple[jax.Array, ...]
-  v: tuple[jax.Array, ...]
+  k: jax.Array
+  v: jax.Array
 
   @classmethod
   def create(cls, *, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
@@ -46,52 +49,60 @@ class KVPool:
         raise ValueError(f"{name}={value} must be >= 1")
     if num_pages < 2:
       raise ValueError(f"num_pages={num_pages} must be >= 2 (page 0 is NULL_PAGE)")
-    shape = (num_pages, page_size, num_kv_heads, head_dim)
-    return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-               v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)))
+    shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+    return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
   @classmethod
   def from_stacked(cls, k, v) -> "KVPool":
     """From [num_layers, num_pages, page_size, num_kv_heads, head_dim] arrays."""
-    return cls(k=tuple(jnp.asarray(x) for x in k), v=tuple(jnp.asarray(x) for x in v))
+    return cls(k=jnp.asarray(k), v=jnp.asarray(v))
 
   def stacked(self) -> tuple[jax.Array, jax.Array]:
-    """(k, v) as [num_layers, num_pages, page_size, num_kv_heads, head_dim] copies."""
-    return jnp.stack(self.k), jnp.stack(self.v)
+    """(k, v) [num_layers, num_pages, page_size, num_kv_heads, head_dim] (the pool's own)."""
+    return self.k, self.v
 
-  def with_layer(self, layer: int, k: jax.Array, v: jax.Array) -> "KVPool":
-    """The pool with layer `layer`'s pages replaced."""
-    return self.replace(k=self.k[:layer] + (k,) + self.k[layer + 1:],
-                        v=self.v[:layer] + (v,) + self.v[layer + 1:])
+  def flat(self) -> tuple[jax.Array, jax.Array]:
+    """(k, v) as [num_layers * num_pages, page_size, num_kv_heads, head_dim] views: layer l's
+    page p is page `layer_offset(l) + p`."""
+    shape = (self.num_layers * self.num_pages,) + self.k.shape[2:]
+    return self.k.reshape(shape), self.v.reshape(shape)
+
+  def from_flat(self, k: jax.Array, v: jax.Array) -> "KVPool":
+    """The pool holding flat views `k`, `v` (as `flat` returns them, updated)."""
+    return self.replace(k=k.reshape(self.k.shape), v=v.reshape(self.v.shape))
+
+  def layer_offset(self, layer):
+    """Pages before layer `layer` in the flat view (an int, or a traced i32 scalar)."""
+    return layer * self.num_pages
 
   # Derived from the shapes, never stored twice.
   @property
   def num_layers(self) -> int:
-    return len(self.k)
+    return self.k.shape[0]
 
   @property
   def num_pages(self) -> int:
-    return self.k[0].shape[0]
+    return self.k.shape[1]
 
   @property
   def page_size(self) -> int:
-    return self.k[0].shape[1]
+    return self.k.shape[2]
 
   @property
   def num_kv_heads(self) -> int:
-    return self.k[0].shape[2]
+    return self.k.shape[3]
 
   @property
   def head_dim(self) -> int:
-    return self.k[0].shape[3]
+    return self.k.shape[4]
 
   @property
   def dtype(self):
-    return self.k[0].dtype
+    return self.k.dtype
 
   @property
   def nbytes(self) -> int:
-    return sum(x.nbytes for x in self.k + self.v)
+    return self.k.nbytes + self.v.nbytes
 
   @property
   def bytes_per_token(self) -> int:

@@ -18,8 +18,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from paged_jax import model
 from paged_jax.config import ModelConfig
-from paged_jax.model import Decoder, PagedKV
+from paged_jax.model import PagedKV
 from paged_jax.sampling import SamplingArrays, sample
 from paged_jax.state import NULL_PAGE, AttentionMetadata, KVPool
 
@@ -41,8 +42,8 @@ class Batch:
 
 
 def _forward(params, pool: KVPool, batch: Batch, cfg: ModelConfig, impl: str):
-  logits, kv = Decoder(cfg).apply({"params": params}, batch.tokens, batch.positions,
-                                  PagedKV(pool, batch.md, impl), batch.logits_indices)
+  logits, kv = model.apply(params, cfg, batch.tokens, batch.positions,
+                           PagedKV(pool, batch.md, impl), batch.logits_indices)
   return logits, kv.pool
 
 

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from experiments import (allocator_waste, attention_bench, attention_overhead, block_manager_bench,
-                         copy_eval, cpu_parts_bench, demo, dtype_bench, fragmentation, latency_bench,
-                         layer_loop_bench,
-                         mutation_score, ondevice_bench, page_size_sweep, pool_map, preemption,
-                         profile_step, rate_sweep, serve_bench, sharing, step_bench, train_copy_model)
+                         copy_eval, cpu_parts_bench, demo, depth_compile, dtype_bench,
+                         fragmentation, latency_bench, layer_loop_bench, mutation_score,
+                         ondevice_bench, page_size_sweep, pool_map, preemption, profile_step,
+                         rate_sweep, serve_bench, sharing, step_bench, train_copy_model)
 
 
 class ExperimentsTest(absltest.TestCase):
@@ -384,7 +384,8 @@ class ExperimentsTest(absltest.TestCase):
     model_dir = tempfile.mkdtemp()
     self.addCleanup(shutil.rmtree, model_dir)
     r = latency_bench.run(latency_bench.LatencyConfig(
-        preset="tiny", users=(1, 3), engines=("paged_jax",), max_position=64, results_dir=None),
+        preset="tiny", users=(1, 3), engines=("paged_jax",), max_position=64, results_dir=None,
+        scan_layers=True),
         model_dir, progress=lambda *_: None)
     self.assertEqual(list(r["engines"]["paged_jax"]), ["1 users", "3 users"])
     self.assertGreater(r["engines"]["paged_jax"]["1 users"]["output_tokens"], 0)
@@ -392,6 +393,7 @@ class ExperimentsTest(absltest.TestCase):
                     r["engines"]["paged_jax"]["3 users"]["output_tokens"])
     self.assertNotIn("highest_common_sustained_rate", r)
     self.assertIn("  3 users: TTFT", latency_bench.format_result(r))
+    self.assertIn("layers as a scan", latency_bench.format_result(r))
     floor = r["floor"]   # every weight once, plus the K/V of one request's mean context
     self.assertEqual(floor["weight_bytes"], sum(x.nbytes for x in jax.tree.leaves(
         checkpoint.load_checkpoint(model_dir)[0])))
@@ -400,6 +402,17 @@ class ExperimentsTest(absltest.TestCase):
                            / floor["read_bytes_per_s"])
     self.assertEqual([n for n, _, _ in latency_bench.runs(latency_bench.LatencyConfig(
         users=(4,)))], ["4 users"])
+
+  def test_depth_compile(self):
+    r = depth_compile.run(depth_compile.DepthConfig(
+        num_layers=(2, 4), hidden_size=32, intermediate_size=64, num_q_heads=4, num_kv_heads=2,
+        head_dim=8, vocab_size=64, prompt_tokens=16, decode_rows=2, steps_per_sync=2,
+        page_size=4, num_pages=16))
+    self.assertEqual(len(r["rows"]), 2 * 2 * 2)   # depths x layouts x programs
+    self.assertTrue(all(x["seconds"] > 0 for x in r["rows"]))
+    self.assertEqual(set(r["ratios"]), {"unrolled/prefill", "unrolled/decode", "scan/prefill",
+                                        "scan/decode"})
+    self.assertIn("deepest / shallowest", depth_compile.format_result(r))
 
   def test_layer_loop_bench_routes_agree(self):
     r = layer_loop_bench.run(layer_loop_bench.LoopConfig(hidden=8, intermediate=16,

@@ -40,12 +40,12 @@ def poison(engine, keep, fill, rng):
   """Overwrites every page outside `keep` (K and V, every layer) with NaN or garbage."""
   idx = np.setdiff1d(np.arange(engine.num_pages), np.fromiter(keep, int, len(keep)))
 
-  def f(x):
-    shape = (idx.size,) + x.shape[1:]
+  def f(x):   # [num_layers, num_pages, ...]
+    shape = (x.shape[0], idx.size) + x.shape[2:]
     value = np.full(shape, np.nan) if fill == "nan" else rng.normal(0, 50, shape)
-    return x.at[idx].set(jnp.asarray(value, x.dtype))
+    return x.at[:, idx].set(jnp.asarray(value, x.dtype))
 
-  engine.pool = engine.pool.replace(k=tuple(map(f, engine.pool.k)), v=tuple(map(f, engine.pool.v)))
+  engine.pool = engine.pool.replace(k=f(engine.pool.k), v=f(engine.pool.v))
 
 
 def run(engine, target_first, fill=None, seed=0):

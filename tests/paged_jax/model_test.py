@@ -5,7 +5,11 @@ import chex
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax import config, generate, step, testing
+from paged_jax import config, generate, model, step, testing
+from paged_jax.config import CacheConfig
+from paged_jax.engine import Engine
+from paged_jax.host.scheduler import SchedulerConfig
+from paged_jax.sampling import SamplingParams
 
 CFG = config.tiny_config()
 PARAMS = testing.random_params(CFG, seed=0, scale=0.3)
@@ -101,6 +105,134 @@ class PagedEqualsDenseTest(parameterized.TestCase):
       g.generate([[1, 2]], 2, eos_id=["2"])
     self.assertEqual(g.generate([[1, 2]], 2), [dense([1, 2], 2)])   # still usable
     self.assertFalse(g.engine.has_unfinished())   # nothing half-queued by a refused call
+
+
+SCAN_CASES = {   # name -> tiny_config overrides; each depth puts a scan of >= 2 reps in
+    "llama": dict(num_layers=5),
+    "qwen2_some_windows": dict(num_layers=6, sliding_window=3, attention_bias=True,
+                               layer_types=("full_attention",) * 2 + ("sliding_attention",) * 4),
+    "gemma2": dict(num_layers=6, sliding_window=3, sandwich_norms=True, unit_offset_norms=True,
+                   scale_embeddings=True, query_scale=0.3, attn_soft_cap=1.5, final_soft_cap=2.5,
+                   hidden_act="gelu_pytorch_tanh", tie_embeddings=True,
+                   layer_types=("sliding_attention", "full_attention") * 3),
+    "gemma3": dict(num_layers=8, sliding_window=3, qk_norm=True, unit_offset_norms=True,
+                   sandwich_norms=True, local_rope_theta=50.0,
+                   rope_scaling={"rope_type": "linear", "factor": 2.0},
+                   layer_types=(("sliding_attention",) * 2 + ("full_attention",)) * 2
+                   + ("sliding_attention",) * 2),
+}
+
+
+class ScannedLayersTest(parameterized.TestCase):
+  """`model.scanned_forward` over `stack_layers` params against the unrolled Decoder."""
+
+  def test_layer_groups(self):
+    groups = lambda **kw: model.layer_groups(config.tiny_config(**kw))
+    self.assertEqual(groups(num_layers=1), ((0, 1, 1),))
+    self.assertEqual(groups(num_layers=2), ((0, 1, 1), (1, 1, 1)))
+    self.assertEqual(groups(num_layers=30), ((0, 1, 29), (29, 1, 1)))
+    self.assertEqual(groups(**SCAN_CASES["qwen2_some_windows"]),
+                     ((0, 1, 2), (2, 1, 3), (5, 1, 1)))
+    self.assertEqual(groups(**SCAN_CASES["gemma2"]), ((0, 2, 2), (4, 1, 1), (5, 1, 1)))
+    # S S F S S F S S: the period-3 pattern twice, then a lone S, then the last layer.
+    self.assertEqual(groups(**SCAN_CASES["gemma3"]), ((0, 3, 2), (6, 1, 1), (7, 1, 1)))
+    # Gemma 3 1B's 26 layers (5 local, 1 global): four periods of 6, one more local, the last.
+    gemma3_1b = (("sliding_attention",) * 5 + ("full_attention",)) * 4 + ("sliding_attention",) * 2
+    self.assertEqual(groups(num_layers=26, sliding_window=8, local_rope_theta=10.0,
+                            layer_types=gemma3_1b), ((0, 6, 4), (24, 1, 1), (25, 1, 1)))
+
+  def test_stack_layers_layout(self):
+    cfg = config.tiny_config(num_layers=5)
+    params = testing.random_params(cfg, seed=1)
+    stacked = model.stack_layers(params, cfg)
+    self.assertEqual(sorted(stacked), sorted(["embed_tokens", "layers", "norm"] +
+                                             (["lm_head"] if "lm_head" in params else [])))
+    (scanned,), (last,) = stacked["layers"]
+    self.assertEqual(scanned["mlp"]["up_proj"]["kernel"].shape, (4, 32, 64))   # layers 0-3
+    np.testing.assert_array_equal(scanned["mlp"]["up_proj"]["kernel"][2],
+                                  params["layers_2_mlp"]["up_proj"]["kernel"])
+    np.testing.assert_array_equal(last["self_attn"]["q_proj"]["kernel"],
+                                  params["layers_4_self_attn"]["q_proj"]["kernel"])
+    with self.assertRaisesRegex(ValueError, "stacked already"):
+      model.stack_layers(stacked, cfg)
+
+  @parameterized.named_parameters(*SCAN_CASES.items())
+  def test_logits_and_pool_equal_the_unrolled_decoder(self, overrides):
+    # A mixed step (two decode rows, a prefill chunk after a cached prefix, a fresh prompt),
+    # then a 3-step decode round, on the same random pool: every logit and every pool value.
+    cfg = config.tiny_config(**overrides)
+    params = testing.random_params(cfg, seed=2, scale=0.3)
+    stacked = model.stack_layers(params, cfg)
+    out = {}
+    for name, p in (("unrolled", params), ("scan", stacked)):
+      batch, pool, state = _mixed_step_inputs(cfg)
+      logits, pool = step.prefill_step(p, pool, batch, cfg=cfg, impl="xla")
+      dec, pool = step.multi_step_decode(p, pool, state, _greedy_rows(4), cfg=cfg, num_steps=3,
+                                         impl="xla", greedy_only=True)
+      out[name] = (logits, dec.tokens, pool)
+    # Bit for bit: the same ops, in a while loop's body or not (`_decode` materializes Gemma's
+    # scaled embedding so that layer 0 reads the same rounded values both ways).
+    chex.assert_trees_all_equal(out["scan"], out["unrolled"])
+
+  def test_engine_greedy_under_preemption(self):
+    cfg = config.tiny_config(**SCAN_CASES["gemma2"])
+    params = testing.random_params(cfg, seed=3, scale=0.3)
+    prompts, new = PROMPTS, 6
+    engine = Engine(params, cfg, cache=CacheConfig(page_size=2, num_pages=14), impl="xla",
+                    scheduler=SchedulerConfig(steps_per_sync=2), scan_layers=True)
+    self.assertTrue(model.is_stacked(engine.params))
+    outs = engine.generate(prompts, SamplingParams(max_tokens=new, ignore_eos=True))
+    self.assertGreater(engine.stats.preemptions, 0)
+    self.assertEqual([o.outputs[0].token_ids for o in outs],
+                     [testing.dense_greedy(params, cfg, p, new) for p in prompts])
+    with self.assertRaisesRegex(ValueError, "scan_layers=True with a mesh"):
+      Engine(params, cfg, scan_layers=True, mesh=object())
+
+  def test_program_size_does_not_grow_with_depth(self):
+    # The compiled decode round of 3 and of 12 layers: unrolled it grows ~4x, scanned it does not.
+    sizes = {}
+    for n in (3, 12):
+      cfg = config.tiny_config(num_layers=n)
+      params = testing.random_params(cfg, seed=0)
+      for name, p in (("unrolled", params), ("scan", model.stack_layers(params, cfg))):
+        _, pool, state = _mixed_step_inputs(cfg)
+        hlo = step.multi_step_decode.lower(p, pool, state, _greedy_rows(4), cfg=cfg, num_steps=2,
+                                           impl="xla", greedy_only=True).as_text()
+        sizes[name, n] = hlo.count("dot_general")
+    self.assertGreater(sizes["unrolled", 12], 3 * sizes["unrolled", 3])
+    self.assertEqual(sizes["scan", 12], sizes["scan", 3])
+
+
+def _greedy_rows(n):
+  from paged_jax.sampling import SamplingArrays
+  return SamplingArrays.from_rows([(SamplingParams(), 0, 0, 0)] * n, n)
+
+
+def _mixed_step_inputs(cfg):
+  """(Batch of a mixed step, a random pool, the DecodeState of a decode round after it)."""
+  import jax
+  from paged_jax.state import AttentionMetadata, KVPool
+  rng = np.random.default_rng(7)
+  pool = KVPool.create(num_layers=cfg.num_layers, num_pages=24, page_size=4,
+                       num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
+  pool = pool.replace(k=jnp.asarray(rng.normal(size=pool.k.shape), pool.dtype),
+                      v=jnp.asarray(rng.normal(size=pool.v.shape), pool.dtype))
+  # rows: decode at 9 keys, decode at 5, a 6-token chunk after 6 cached keys, a 7-token prompt;
+  # each table holds the 3 decode steps after it too
+  tables = np.array([[1, 2, 3, 0], [4, 5, 0, 0], [6, 7, 8, 9], [10, 11, 12, 0]], np.int32)
+  seq_lens = np.array([9, 5, 12, 7], np.int32)
+  q_lens = np.array([1, 1, 6, 7], np.int32)
+  cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+  positions = np.concatenate([np.arange(l - q, l) for l, q in zip(seq_lens, q_lens)])
+  rows = np.repeat(np.arange(4), q_lens)
+  slots = tables[rows, positions // 4] * 4 + positions % 4
+  md = AttentionMetadata(jnp.asarray(tables), jnp.asarray(seq_lens), jnp.asarray(cu),
+                         jnp.asarray(slots, jnp.int32), max_q_len=8, num_decode=2)
+  tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, size=len(positions)), jnp.int32)
+  batch = step.Batch(tokens, jnp.asarray(positions, jnp.int32), md, jnp.asarray(cu[1:] - 1))
+  state = step.DecodeState(jnp.asarray([3, 5, 7, 9], jnp.int32), jnp.asarray(seq_lens),
+                           jnp.asarray(tables), jnp.asarray(seq_lens + 3))
+  return jax.device_put((batch, pool, state))
 
 
 class ModelPiecesTest(absltest.TestCase):

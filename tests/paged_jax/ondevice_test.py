@@ -102,8 +102,7 @@ class OnDeviceTest(parameterized.TestCase):
   def test_nan_pool_changes_nothing(self):
     nan = KVPool.create(num_layers=CFG.num_layers, num_pages=64, page_size=4,
                         num_kv_heads=CFG.num_kv_heads, head_dim=CFG.head_dim, dtype=CFG.dtype)
-    nan = nan.replace(k=tuple(jnp.full_like(x, jnp.nan) for x in nan.k),
-                      v=tuple(jnp.full_like(x, jnp.nan) for x in nan.v))
+    nan = nan.replace(k=jnp.full_like(nan.k, jnp.nan), v=jnp.full_like(nan.v, jnp.nan))
     clean = run(n=2, temperature=jnp.full(5, 0.7))
     dirty = run(n=2, temperature=jnp.full(5, 0.7), pool=nan)
     np.testing.assert_array_equal(clean.tokens, dirty.tokens)

@@ -53,7 +53,7 @@ class Faults:
       if self.count in self.calls or poisoned:
         self.raised += 1
         if self.destroy_pool:
-          for x in pool.k + pool.v:
+          for x in (pool.k, pool.v):
             x.delete()
         raise RuntimeError("injected" + (" by the marker" if poisoned else ""))
       return fn(params, pool, inputs, sampling, **kw)

@@ -94,19 +94,19 @@ class StepsTest(parameterized.TestCase):
     with jax.set_mesh(mesh):
       prefill, pool = step.prefill_step(params, pool, PREFILL, cfg=CFG, impl="xla")
       chex.assert_trees_all_close(prefill, ref_prefill, **TOL)
-      for got, want in zip(pool.k + pool.v, ref_pool_prefill.k + ref_pool_prefill.v):
+      for got, want in zip((*pool.k, *pool.v), (*ref_pool_prefill.k, *ref_pool_prefill.v)):
         chex.assert_trees_all_close(np.asarray(got), _as_stored(want, model), **TOL)
       decode, pool = step.decode_step(params, pool, DECODE, cfg=CFG, impl="xla")
     chex.assert_trees_all_close(decode, ref_decode, **TOL)
-    self.assertTrue(_split_by_heads(pool.k[0], mesh))   # still split by heads
+    self.assertTrue(_split_by_heads(pool.k, mesh))   # still split by heads
 
     # Copy-on-write pairs and swaps touch every shard (page ops donate their input pool).
     src, dst = jnp.array([5, 2], jnp.int32), jnp.array([6, 7], jnp.int32)
     copied = page_ops.copy_pages(pool, src, dst)
     ref_copied = page_ops.copy_pages(jax.device_put(ref_pool), src, dst)
-    for got, want in zip(copied.k + copied.v, ref_copied.k + ref_copied.v):
+    for got, want in zip((*copied.k, *copied.v), (*ref_copied.k, *ref_copied.v)):
       chex.assert_trees_all_close(np.asarray(got), _as_stored(want, model), **TOL)
-    self.assertTrue(_split_by_heads(copied.v[1], mesh))
+    self.assertTrue(_split_by_heads(copied.v, mesh))
     before_swap = jax.device_get(copied)
     k, v = page_ops.read_pages(copied, [3, 5])          # swap out
     ref_k, ref_v = page_ops.read_pages(ref_copied, [3, 5])
@@ -115,9 +115,9 @@ class StepsTest(parameterized.TestCase):
     scrubbed = page_ops.zero_pages(copied, jnp.array([3, 5], jnp.int32))
     self.assertFalse(np.asarray(scrubbed.k[0])[[3, 5]].any())
     restored = page_ops.write_pages(scrubbed, [3, 5], k, v)   # swap in
-    for got, want in zip(restored.k + restored.v, before_swap.k + before_swap.v):
+    for got, want in zip((*restored.k, *restored.v), (*before_swap.k, *before_swap.v)):
       np.testing.assert_array_equal(np.asarray(got), want)
-    self.assertTrue(_split_by_heads(restored.k[0], mesh))
+    self.assertTrue(_split_by_heads(restored.k, mesh))
 
   def test_one_all_reduce_per_block_and_no_gather(self):
     # Megatron: the attention block and the MLP block each end in one all-reduce; the pool and
@@ -205,12 +205,12 @@ class EngineTest(parameterized.TestCase):
     self.assertEqual(_run(engine), self.ref)
     engine.check_invariants()
     for e in replicas:
-      self.assertTrue(_split_by_heads(e.pool.k[0], e.mesh))
-      self.assertEqual(len(e.pool.k[0].sharding.device_set), model)
+      self.assertTrue(_split_by_heads(e.pool.k, e.mesh))
+      self.assertEqual(len(e.pool.k.sharding.device_set), model)
     if data > 1:   # the requests spread over the replicas, each on its own devices
       busy = sum(e.stats.prefill_tokens > 0 for e in replicas)
       self.assertEqual(busy, min(data, len(_requests()[0])))
-      self.assertEqual(len(set().union(*(e.pool.k[0].sharding.device_set for e in replicas))),
+      self.assertEqual(len(set().union(*(e.pool.k.sharding.device_set for e in replicas))),
                        data * model)
 
   def test_data_parallel_bookkeeping(self):

@@ -103,8 +103,8 @@ class TensorParallelLayoutTest(parameterized.TestCase):
     from paged_jax.state import KVPool
     mesh = sharding.make_mesh(1, 1)
     kw = dict(num_layers=1, num_pages=4, page_size=2, num_kv_heads=3, head_dim=4)
-    self.assertEqual(sharding.new_pool(mesh, **kw).k[0].shape, (4, 2, 3, 4))
-    self.assertEqual(sharding.shard_pool(KVPool.create(**kw), mesh).v[0].shape, (4, 2, 3, 4))
+    self.assertEqual(sharding.new_pool(mesh, **kw).k.shape, (1, 4, 2, 3, 4))
+    self.assertEqual(sharding.shard_pool(KVPool.create(**kw), mesh).v.shape, (1, 4, 2, 3, 4))
     with self.assertRaisesRegex(ValueError, "a pool of 3 KV heads does not divide across "
                                             "model=2"):
       sharding._pool_sharding(jax.sharding.AbstractMesh((1, 2), ("data", "model")), 3)

@@ -20,7 +20,7 @@ from absl.testing import absltest
 import numpy as np
 import pytest
 
-from paged_jax import chat, checkpoint, testing
+from paged_jax import chat, checkpoint, model, testing
 from paged_jax.config import CacheConfig
 from paged_jax.engine import Engine
 from paged_jax.host.scheduler import SchedulerConfig
@@ -131,9 +131,14 @@ class SmolLM2Test(absltest.TestCase):
 
   def test_greedy_answers_through_the_engine(self):
     prompts = [self.chat.prompt_ids([{"role": "user", "content": q}]) for q in QUESTIONS]
+    # The layers as a scan (model.scanned_forward): the real model's 30 layers in one body,
+    # token for token with transformers (the unrolled Decoder is checked the same way on every
+    # family in families_test, and bit for bit against the scan in model_test).
     engine = Engine(self.params, self.cfg, cache=CacheConfig(page_size=16, num_pages=96),
                     scheduler=SchedulerConfig(max_num_seqs=10, max_num_batched_tokens=512),
-                    tokenizer=self.tok, eos_token_ids=self.chat.end_of_turn_ids, impl="xla")
+                    tokenizer=self.tok, eos_token_ids=self.chat.end_of_turn_ids, impl="xla",
+                    scan_layers=True)
+    self.assertEqual(model.layer_groups(self.cfg), ((0, 1, 29), (29, 1, 1)))
     outs = engine.generate(prompts, SamplingParams(max_tokens=40))
     answers = {}
     for q, ids, out in zip(QUESTIONS, prompts, outs):

@@ -78,15 +78,15 @@ class SwapPagesTest(absltest.TestCase):
   def test_read_write_round_trip_pads_counts_to_a_power_of_two(self):
     pool = KVPool.create(num_layers=2, num_pages=9, page_size=2, num_kv_heads=1, head_dim=3)
     rng = np.random.default_rng(0)
-    pool = pool.replace(k=tuple(jnp.asarray(rng.normal(size=x.shape), x.dtype) for x in pool.k),
-                        v=tuple(jnp.asarray(rng.normal(size=x.shape), x.dtype) for x in pool.v))
-    before = [np.asarray(x) for x in pool.k + pool.v]
+    pool = pool.replace(k=jnp.asarray(rng.normal(size=pool.k.shape), pool.dtype),
+                        v=jnp.asarray(rng.normal(size=pool.v.shape), pool.dtype))
+    before = [np.asarray(x) for x in (*pool.k, *pool.v)]
     k, v = page_ops.read_pages(pool, [5, 2, 7])
     self.assertEqual(k.shape, (2, 3, 2, 1, 3))
     np.testing.assert_array_equal(k[1, 0], before[1][5])
     np.testing.assert_array_equal(v[0, 2], before[2][7])
     pool = page_ops.write_pages(pool, [1, 3, 4], k, v)        # 3 pages: padded to 4
-    after = [np.asarray(x) for x in pool.k + pool.v]
+    after = [np.asarray(x) for x in (*pool.k, *pool.v)]
     for i in range(4):
       np.testing.assert_array_equal(after[i][[1, 3, 4]], before[i][[5, 2, 7]])
       np.testing.assert_array_equal(after[i][[2, 5, 6, 7, 8]], before[i][[2, 5, 6, 7, 8]])
@@ -102,8 +102,8 @@ def _random_pool(seed=0, **kw):
   """A pool whose every element is distinct random data (so a copy to the wrong page shows)."""
   pool = KVPool.create(**kw)
   rng = np.random.default_rng(seed)
-  return pool.replace(k=tuple(jnp.asarray(rng.normal(size=x.shape), x.dtype) for x in pool.k),
-                      v=tuple(jnp.asarray(rng.normal(size=x.shape), x.dtype) for x in pool.v))
+  return pool.replace(k=jnp.asarray(rng.normal(size=pool.k.shape), pool.dtype),
+                      v=jnp.asarray(rng.normal(size=pool.v.shape), pool.dtype))
 
 
 class PageOpsTest(absltest.TestCase):
@@ -111,9 +111,9 @@ class PageOpsTest(absltest.TestCase):
 
   def test_copy_pages_copies_every_layer_k_and_v_and_nothing_else(self):
     pool = _random_pool(num_layers=2, num_pages=6, page_size=2, num_kv_heads=1, head_dim=3)
-    before = [np.asarray(x) for x in pool.k + pool.v]
+    before = [np.asarray(x) for x in (*pool.k, *pool.v)]
     pool = page_ops.copy_pages(pool, jnp.array([4, 1], jnp.int32), jnp.array([2, 5], jnp.int32))
-    after = [np.asarray(x) for x in pool.k + pool.v]
+    after = [np.asarray(x) for x in (*pool.k, *pool.v)]
     for b, a in zip(before, after):
       np.testing.assert_array_equal(a[[2, 5]], b[[4, 1]])
       np.testing.assert_array_equal(a[[0, 1, 3, 4]], b[[0, 1, 3, 4]])
@@ -144,9 +144,9 @@ class PageOpsTest(absltest.TestCase):
 
   def test_zero_pages_scrubs_only_those_pages(self):
     pool = _random_pool(num_layers=2, num_pages=5, page_size=2, num_kv_heads=2, head_dim=2)
-    before = [np.asarray(x) for x in pool.k + pool.v]
+    before = [np.asarray(x) for x in (*pool.k, *pool.v)]
     pool = page_ops.zero_pages(pool, jnp.array([3, 1], jnp.int32))
-    for b, a in zip(before, [np.asarray(x) for x in pool.k + pool.v]):
+    for b, a in zip(before, [np.asarray(x) for x in (*pool.k, *pool.v)]):
       np.testing.assert_array_equal(a[[1, 3]], 0.0)
       np.testing.assert_array_equal(a[[0, 2, 4]], b[[0, 2, 4]])
 
@@ -169,7 +169,7 @@ class PageOpsTest(absltest.TestCase):
     np.testing.assert_array_equal(np.asarray(vp[0, 1:], np.float32), -rounded)
     np.testing.assert_array_equal(np.asarray(kp[0, NULL_PAGE], np.float32), 0.0)   # the padding
     with self.assertRaisesRegex(ValueError, r"k / v shapes \(1, 3, 1, 1, 1\) / \(1, 2, 1, 1, 1\) "
-                                r"do not match 3 pages of a pool with 1 layers of \(4, 1, 1, 1\): "
+                                r"do not match 3 pages of a pool of shape \(1, 4, 1, 1, 1\): "
                                 r"expected \(1, 3, 1, 1, 1\)"):
       page_ops.write_pages(pool, [1, 2, 3], k, k[:, :2])
 
