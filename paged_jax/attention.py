@@ -259,7 +259,8 @@ DECODE_ITEMS_PER_CHUNK = 64
 # ... but at most this many items per row of the batch: a chunk is gathered whole, so one that is
 # larger than the batch's work reads empty items (one user at 221 keys has 7 items; a 64-item
 # chunk gathers 57 empty ones per layer). SmolLM2-135M f32, one row, jax 0.12: 24.7 -> 18.4 ms
-# per decode step (experiments/results/README.md, "Latency for one user"). 8 rows and more keep 64.
+# per decode step in a scratch timing of the decode round (the same measurement is now
+# `python -m experiments.decode_round_bench`, not yet re-run). 8 rows and more keep 64.
 DECODE_ITEMS_PER_ROW = 8
 
 

@@ -50,8 +50,9 @@ MIN_PREFILL_TOKENS = 64
 def decode_bucket(n: int) -> int:
   """Padded decode rows for n sequences: 1 for one (a single user's stream decodes alone), else a
   power of two >= MIN_DECODE_ROWS. One row against eight: SmolLM2-135M f32 on 2 cores, jax
-  0.12, 27.9 -> 22.2 ms per decode step (experiments/results/README.md, "Latency for one
-  user"): the weight reads are the same, the matmul and attention work is not."""
+  0.12, 27.9 -> 22.2 ms per decode step in a scratch timing (now `python -m
+  experiments.decode_round_bench`, not yet re-run): the weight reads are the same, the matmul
+  and attention work is not."""
   return 1 if n == 1 else next_pow2(n, MIN_DECODE_ROWS)
 
 

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 from experiments import (allocator_waste, attention_bench, attention_overhead, block_manager_bench,
-                         copy_eval, cpu_parts_bench, demo, depth_compile, dtype_bench,
-                         fragmentation, latency_bench, layer_loop_bench, mutation_score,
-                         ondevice_bench, page_size_sweep, pool_map, preemption, profile_step,
-                         rate_sweep, serve_bench, sharing, step_bench, train_copy_model)
+                         copy_eval, cpu_parts_bench, decode_round_bench, demo, depth_compile,
+                         dtype_bench, fragmentation, latency_bench, layer_loop_bench,
+                         mutation_score, ondevice_bench, page_size_sweep, pool_map, preemption,
+                         profile_step, rate_sweep, serve_bench, sharing, step_bench,
+                         train_copy_model)
 
 
 class ExperimentsTest(absltest.TestCase):
@@ -402,6 +403,17 @@ class ExperimentsTest(absltest.TestCase):
                            / floor["read_bytes_per_s"])
     self.assertEqual([n for n, _, _ in latency_bench.runs(latency_bench.LatencyConfig(
         users=(4,)))], ["4 users"])
+
+  def test_decode_round_bench(self):
+    r = decode_round_bench.run(decode_round_bench.RoundConfig(
+        prompt_tokens=20, steps_per_sync=2, rows=(1, 2), items_per_chunk=(0, 4), rounds=1))
+    got = [(x["rows"], x["items_per_chunk"], x["default_chunk"]) for x in r["rows"]]
+    self.assertEqual(got, [(1, 8, True), (1, 4, False), (2, 16, True), (2, 4, False)])
+    self.assertTrue(all(x["ms_per_step"] > 0 for x in r["rows"]))
+    self.assertIn("items_per_chunk   8 (default)", decode_round_bench.format_result(r))
+    with self.assertRaisesRegex(ValueError, "rows=0 is below"):
+      decode_round_bench.run(decode_round_bench.RoundConfig(prompt_tokens=20, steps_per_sync=2,
+                                                            rows=(0,), rounds=1))
 
   def test_depth_compile(self):
     r = depth_compile.run(depth_compile.DepthConfig(
