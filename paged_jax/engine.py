@@ -169,7 +169,6 @@ class Engine(EngineLoop):
       params = sharding.shard_params(params, cfg, mesh)   # checks the heads divide
     else:   # host (NumPy) params would be copied to the device by every step
       params = jax.device_put(params)
-    self.scan_layers = scan_layers
     if scan_layers and params is not None:
       params = model.stack_layers(params, cfg)
     self.params, self.cfg, self.impl = params, cfg, impl

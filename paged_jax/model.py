@@ -134,11 +134,11 @@ class RMSNorm(nn.Module):
     return weight * xf.astype(self.dtype)
 
 
-def norm(cfg: ModelConfig, name: str) -> RMSNorm:
+def norm(cfg: ModelConfig, name: str | None = None) -> RMSNorm:
   return RMSNorm(cfg.rms_norm_eps, jnp.dtype(cfg.dtype), cfg.unit_offset_norms, name=name)
 
 
-def _dense(features: int, name: str, dtype, bias: bool = False) -> nn.Dense:
+def _dense(features: int, name: str | None = None, dtype=None, bias: bool = False) -> nn.Dense:
   return nn.Dense(features, use_bias=bias, dtype=dtype, param_dtype=dtype, name=name,
                   kernel_init=nn.initializers.normal(0.02), dot_general=matmul.dot_general)
 
@@ -264,13 +264,11 @@ def _decode(cfg: ModelConfig, part, tokens, positions, kv, logits_indices, run_l
         ropes[key] = computed_once(
             lambda p, f=inv_freq, a=factor: rotary.tables(p, f, a), positions)
   x, kv = run_layers(x, kv, ropes)
-  x = part("norm", RMSNorm, cfg.rms_norm_eps, dt, cfg.unit_offset_norms)(x)
+  x = part("norm", norm, cfg)(x)
   if cfg.tie_embeddings:
     logits = embed.attend(x)
   else:
-    logits = part("lm_head", nn.Dense, cfg.vocab_size, use_bias=False, dtype=dt,
-                  param_dtype=dt, kernel_init=nn.initializers.normal(0.02),
-                  dot_general=matmul.dot_general)(x)
+    logits = part("lm_head", _dense, cfg.vocab_size, dtype=dt)(x)
   logits = logits.astype(jnp.float32)
   if cfg.final_soft_cap is not None:
     logits = cfg.final_soft_cap * jnp.tanh(logits / cfg.final_soft_cap)
@@ -283,19 +281,17 @@ def _layer(cfg: ModelConfig, layer: int, part, x, kv, rope, select=None, kv_laye
   layer: static (its window and RoPE); kv_layer: its pool layer when traced. select: the last
   layer's tokens whose outputs alone are wanted.
   """
-  dt = jnp.dtype(cfg.dtype)
-  norm_args = (RMSNorm, cfg.rms_norm_eps, dt, cfg.unit_offset_norms)
-  h = part("input_layernorm", *norm_args)(x)
+  h = part("input_layernorm", norm, cfg)(x)
   h, kv = part("self_attn", Attention, cfg, layer)(h, kv, rope, select, kv_layer)
   if cfg.sandwich_norms:
-    h = part("post_attention_layernorm", *norm_args)(h)
+    h = part("post_attention_layernorm", norm, cfg)(h)
   x = (x if select is None else x[select]) + h
   # Llama calls the MLP's input norm post_attention_layernorm; Gemma, pre_feedforward.
   h = part("pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm",
-           *norm_args)(x)
+           norm, cfg)(x)
   h = part("mlp", MLP, cfg)(h)
   if cfg.sandwich_norms:
-    h = part("post_feedforward_layernorm", *norm_args)(h)
+    h = part("post_feedforward_layernorm", norm, cfg)(h)
   return x + h, kv
 
 
