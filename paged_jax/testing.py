@@ -227,12 +227,13 @@ def dense_greedy(params, cfg, prompt, max_new_tokens: int) -> list[int]:
   """Greedy decoding with a dense contiguous cache (model.DenseKV): the reference for the paged
   steps. Prefill in one call, then one token per call."""
   from paged_jax import model
-  max_len = len(prompt) + max_new_tokens
+  # The cache is padded to a multiple of 64 (keys past seq_lens are masked) so that every
+  # decode call of every prompt shares one compiled program per config (`_dense_apply`).
+  max_len = -(-(len(prompt) + max_new_tokens) // 64) * 64
   shape = (cfg.num_layers, 1, max_len, cfg.num_kv_heads, cfg.head_dim)
   cache_k = jnp.zeros(shape, cfg.dtype)
   cache_v = jnp.zeros(shape, cfg.dtype)
-  apply = jax.jit(lambda p, toks, pos, kv, idx: model.Decoder(cfg).apply({"params": p}, toks, pos,
-                                                                         kv, idx))
+  apply = _dense_apply(cfg)
   tokens = list(prompt)
   out = []
   start = 0

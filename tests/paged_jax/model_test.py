@@ -156,26 +156,32 @@ class ScannedLayersTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "stacked already"):
       model.stack_layers(stacked, cfg)
 
-  @parameterized.named_parameters(*SCAN_CASES.items())
-  def test_logits_and_pool_equal_the_unrolled_decoder(self, overrides):
-    # A mixed step (two decode rows, a prefill chunk after a cached prefix, a fresh prompt),
-    # then a 3-step decode round, on the same random pool: every logit and every pool value.
+  @parameterized.named_parameters(
+      (f"{name}_{program}", overrides, program)
+      for name, overrides in SCAN_CASES.items() for program in ("mixed_step", "decode_round"))
+  def test_logits_and_pool_equal_the_unrolled_decoder(self, overrides, program):
+    # On the same random pool, either a mixed step (two decode rows, a prefill chunk after a
+    # cached prefix, a fresh prompt) or a 3-step decode round: every logit and every pool value.
+    # (Two tests, not one: each compiles two programs per family, under the 20 s check.)
     cfg = config.tiny_config(**overrides)
     params = testing.random_params(cfg, seed=2, scale=0.3)
     stacked = model.stack_layers(params, cfg)
     out = {}
     for name, p in (("unrolled", params), ("scan", stacked)):
       batch, pool, state = _mixed_step_inputs(cfg)
-      logits, pool = step.prefill_step(p, pool, batch, cfg=cfg, impl="xla")
-      dec, pool = step.multi_step_decode(p, pool, state, _greedy_rows(4), cfg=cfg, num_steps=3,
-                                         impl="xla", greedy_only=True)
-      out[name] = (logits, dec.tokens, pool)
+      if program == "mixed_step":
+        out[name] = step.prefill_step(p, pool, batch, cfg=cfg, impl="xla")
+      else:
+        dec, pool = step.multi_step_decode(p, pool, state, _greedy_rows(4), cfg=cfg,
+                                           num_steps=3, impl="xla", greedy_only=True)
+        out[name] = (dec.tokens, pool)
     # Bit for bit: the same ops, in a while loop's body or not (`_decode` materializes Gemma's
     # scaled embedding so that layer 0 reads the same rounded values both ways).
     chex.assert_trees_all_equal(out["scan"], out["unrolled"])
 
   def test_engine_greedy_under_preemption(self):
-    cfg = config.tiny_config(**SCAN_CASES["gemma2"])
+    # Llama's one scan run (the other families' bodies are pinned bit for bit above).
+    cfg = config.tiny_config(**SCAN_CASES["llama"])
     params = testing.random_params(cfg, seed=3, scale=0.3)
     prompts, new = PROMPTS, 6
     engine = Engine(params, cfg, cache=CacheConfig(page_size=2, num_pages=14), impl="xla",
