@@ -86,7 +86,7 @@ def _serve_config(cfg: LatencyConfig, path: str, rate: float, num_requests: int 
   from paged_jax import serve
   return serve.ServeConfig(model_dir=path, workload=cfg.workload,
                            num_requests=cfg.num_requests if num_requests is None else num_requests,
-                           request_rate=rate, seed=cfg.seed, warmup=True, progress=False,
+                           request_rate=rate, seed=cfg.seed, warmup="workload", progress=False,
                            scan_layers=cfg.scan_layers,
                            page_size=cfg.page_size, steps_per_sync=cfg.steps_per_sync,
                            ignore_eos=True)

@@ -57,7 +57,7 @@ def run(cfg: SweepConfig, progress=print) -> dict:
       row[f"{w}_waste"] = 1 - sim["token_state_fraction"]
       row[f"{w}_real_data_waste"] = REAL_DATA_WASTE[w].get(ps)
       r = serve.run(serve.ServeConfig(workload=w, num_requests=cfg.serve_requests, page_size=ps,
-                                      warmup=True, progress=False), model=model)
+                                      warmup="workload", progress=False), model=model)
       row[f"{w}_tokens_per_s"] = r["output_tokens_per_s"]
     a = attention_overhead.paged_vs_contiguous(
         copy_bw, num_seqs=cfg.attention_seqs, seq_len=cfg.attention_len, page_size=ps,

@@ -116,7 +116,7 @@ def overload(cfg: PreemptionConfig, model) -> list[dict]:
       ("oracle reservation", cfg.tight_pages, "recompute", "oracle")):
     sc = serve.ServeConfig(workload=cfg.workload, num_requests=cfg.num_requests, num_pages=pages,
                            preemption_mode=mode, reservation=reservation, seed=cfg.seed,
-                           warmup=True, progress=False, enable_prefix_caching=False)
+                           warmup="workload", progress=False, enable_prefix_caching=False)
     r = serve_warm(sc, model)
     rows.append({"run": label, "num_pages": pages, "preemption_mode": mode,
                  "reservation": reservation, "mean_decode_batch": r["mean_decode_batch"],

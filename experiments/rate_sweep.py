@@ -104,7 +104,7 @@ def run(cfg: RateConfig, model=None, progress=print) -> dict:
       rates = None
       curves = {}
       for system in cfg.systems:
-        sc = serve.ServeConfig(workload=w, reservation=system, warmup=True, **base)
+        sc = serve.ServeConfig(workload=w, reservation=system, warmup="workload", **base)
         burst = serve.run(sc, model=model)
         bar.update(1)
         saturation = burst["num_requests"] / burst["seconds"]
@@ -112,7 +112,7 @@ def run(cfg: RateConfig, model=None, progress=print) -> dict:
           rates = [f * saturation for f in cfg.rate_fractions]
         points = []
         for rate in rates:
-          r = serve_warm(dataclasses.replace(sc, request_rate=rate, warmup=False), model,
+          r = serve_warm(dataclasses.replace(sc, request_rate=rate, warmup="off"), model,
                          attempts=5)
           bar.update(1)
           points.append({

@@ -145,7 +145,7 @@ def prefix_caching(cfg: SharingConfig, model) -> list[dict]:
       for on in (False, True):
         base = serve.ServeConfig(prompts_file=f.name, enable_prefix_caching=on, progress=False,
                                  seed=cfg.seed)
-        burst = serve.run(dataclasses.replace(base, warmup=True), model=model)
+        burst = serve.run(dataclasses.replace(base, warmup="workload"), model=model)
         saturation = saturation or burst["num_requests"] / burst["seconds"]
         # Poisson arrivals at the saturation rate without caching: later requests find the
         # prefix computed by earlier ones (in a burst, requests admitted in the same step as

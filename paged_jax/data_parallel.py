@@ -140,6 +140,11 @@ class DataParallelEngine(EngineLoop):
         self._loads[self._where.pop(o.request_id)] -= self._need.pop(o.request_id)
     return outputs
 
+  def warmup(self, scope: str = "one_user", *, progress: bool = False) -> dict:
+    """`Engine.warmup` on every replica (each compiles for its own devices); summed."""
+    runs = [e.warmup(scope, progress=progress) for e in self.replicas]
+    return {k: sum(r[k] for r in runs) for k in runs[0]}
+
   # ------------------------------------------------------------------------------ metrics
 
   def metrics(self) -> dict:

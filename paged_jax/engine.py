@@ -17,6 +17,7 @@ engine owns the params, the pool and the request seeds; everything else is in `h
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -29,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax import model, page_ops, sharding, step
+from paged_jax import attention, model, page_ops, sharding, step
 from paged_jax.config import CacheConfig, ModelConfig
 from paged_jax.host import batching
 from paged_jax.host.addressing import pages_needed
@@ -193,6 +194,14 @@ class Engine(EngineLoop):
     self.pool = self._new_pool()
     self.capacity_tokens = (self.num_pages - 1) * cache.page_size
     self.max_pages_per_seq = -(-cfg.max_position // cache.page_size)
+    # The XLA path gets one block-table width (the model's whole context): its attention work
+    # follows seq_lens; the Pallas kernel splits keys by the width, so it keeps the buckets.
+    uses_kernel = impl in ("pallas", "interpret") or (
+        impl == "auto" and attention.kernel_unavailable_reason(cfg.head_dim, cache.page_size)
+        is None)
+    self.fixed_width = not uses_kernel
+    self.programs: collections.Counter[batching.ProgramKey] = collections.Counter()  # -> calls
+    self._compiled: dict[batching.ProgramKey, object] = {}   # what `warmup` compiled
     self.stats = EngineStats()
     self._rng = np.random.default_rng(seed)
     self._swap: dict[str, tuple[np.ndarray, np.ndarray]] = {}   # request id -> host K, V
@@ -466,37 +475,78 @@ class Engine(EngineLoop):
 
   def _run(self, plan: StepPlan) -> tuple[dict, float]:
     """Builds the arrays, runs the step, brings the samples back: (host arrays, device seconds)."""
-    greedy_only = all(r.group.params.greedy for r in plan.rows)
     top_n = max((2 * r.group.params.beam_width if r.group.params.use_beam_search
                  else r.group.params.logprobs) for r in plan.rows)
     num_logprobs = batching.next_pow2(top_n) if top_n else 0
-    if plan.num_steps > 1:
-      a = batching.build_decode_round(plan, self.bm, self.max_pages_per_seq)
-      self._validate(plan, a)
-      state = step.DecodeState(a["tokens"], a["positions"], a["block_tables"], a["write_limit"])
-      inputs = jax.device_put((state, a["sampling"]))   # one transfer for every array
-      kw = dict(cfg=self.cfg, num_steps=plan.num_steps, impl=self.impl,
-                greedy_only=greedy_only, num_logprobs=num_logprobs)
-      fn = self.steps.multi_step_decode
-    else:
-      a = batching.build_step(plan, self.bm, self.max_pages_per_seq)
-      self._validate(plan, a)
-      md = AttentionMetadata(a["block_tables"], a["seq_lens"], a["cu_q_lens"], a["slots"],
-                             max_q_len=a["max_q_len"], num_decode=a["num_decode"])
-      batch = step.Batch(a["tokens"], a["positions"], md, a["logits_indices"])
-      inputs = jax.device_put((batch, a["sampling"]))
-      kw = dict(cfg=self.cfg, impl=self.impl, greedy_only=greedy_only, num_logprobs=num_logprobs)
-      fn = self.steps.sample_step
+    build = batching.build_decode_round if plan.num_steps > 1 else batching.build_step
+    a = build(plan, self.bm, self.max_pages_per_seq, self.fixed_width)
+    self._validate(plan, a)
+    key = batching.program_key(a, plan.num_steps, num_logprobs)
+    self.programs[key] += 1
+    fn, inputs, kw = self._call(a, key)
     args = (self.params, self.pool) + inputs
+    compiled = self._compiled.get(key)   # warmed up: no trace, no cache lookup
     t = time.perf_counter()
     with self._mesh_context():
-      sampled, self.pool = fn(*args, **kw)
+      sampled, self.pool = fn(*args, **kw) if compiled is None else compiled(*args)
     out = jax.device_get(sampled)   # the one sync of the step
     device_s = time.perf_counter() - t
     host = {f.name: np.asarray(getattr(out, f.name)) for f in dataclasses.fields(out)}
     if plan.num_steps == 1:   # [S] -> [1, S]: one layout for both kinds of step
       host = {k: v[None] for k, v in host.items()}
     return host, device_s
+
+  def _call(self, a: dict, key: batching.ProgramKey):
+    """(device step, its array inputs on the device, its static options) for step arrays `a`.
+    One sampling variant serves greedy and sampled rows (`sampling.sample`'s lax.cond): two
+    programs per shape would not pay for themselves."""
+    kw = dict(cfg=self.cfg, impl=self.impl, greedy_only=False, num_logprobs=key.num_logprobs)
+    if key.kind == "round":
+      state = step.DecodeState(a["tokens"], a["positions"], a["block_tables"], a["write_limit"])
+      inputs = jax.device_put((state, a["sampling"]))   # one transfer for every array
+      return self.steps.multi_step_decode, inputs, dict(kw, num_steps=key.num_steps)
+    md = AttentionMetadata(a["block_tables"], a["seq_lens"], a["cu_q_lens"], a["slots"],
+                           max_q_len=a["max_q_len"], num_decode=a["num_decode"])
+    batch = step.Batch(a["tokens"], a["positions"], md, a["logits_indices"])
+    return self.steps.sample_step, jax.device_put((batch, a["sampling"])), kw
+
+  @property
+  def program_limits(self) -> batching.ProgramLimits:
+    """What bounds this engine's step shapes (`batching.reachable_programs`)."""
+    sc = self.scheduler.config
+    return batching.ProgramLimits(sc.max_num_seqs, sc.max_num_batched_tokens,
+                                  self.cfg.max_position, self.page_size, sc.steps_per_sync,
+                                  self.fixed_width)
+
+  def warmup_programs(self, scope: str = "one_user") -> list[batching.ProgramKey]:
+    """The programs `warmup(scope)` compiles. "one_user": everything one user's requests run
+    (n=1, no beams or logprobs: `reachable_programs` at max_num_seqs=1) and every decode
+    program for any number of rows (rounds and one-step decodes); "all": every program the
+    limits can hit (`reachable_programs`; thousands at the default limits, from the mixed
+    steps of several users)."""
+    if scope not in ("one_user", "all"):
+      raise ValueError(f"scope={scope!r} is not 'one_user' or 'all'")
+    limits = self.program_limits
+    every = batching.reachable_programs(limits)
+    if scope == "all":
+      return every
+    keys = batching.reachable_programs(dataclasses.replace(limits, max_num_seqs=1))
+    keys += [k for k in every if k.num_prefill_rows == 0 and k not in keys]
+    return keys
+
+  def warmup(self, scope: str = "one_user", *, progress: bool = False) -> dict:
+    """Compiles the programs of `warmup_programs(scope)` that this process has not compiled
+    yet, so that no request pays for them (with the persistent compilation cache on, a later
+    process loads them instead of compiling). Returns {"programs", "compiled", "seconds"}."""
+    from tqdm import tqdm
+    keys = self.warmup_programs(scope)
+    t0 = time.perf_counter()
+    todo = [k for k in keys if k not in self._compiled]
+    with self._mesh_context():
+      for key in tqdm(todo, disable=not progress, unit="program", desc="warmup"):
+        fn, inputs, kw = self._call(batching.placeholder_arrays(key), key)
+        self._compiled[key] = fn.lower(self.params, self.pool, *inputs, **kw).compile()
+    return {"programs": len(keys), "compiled": len(todo), "seconds": time.perf_counter() - t0}
 
   def _mesh_context(self):
     """The ambient mesh the model step reads (`sharding.over_kv_heads`); nothing without one."""
@@ -576,6 +626,9 @@ class Engine(EngineLoop):
     """Counters, KV usage and prefix-cache hit rate (from the block manager)."""
     bm = self.bm.stats()
     return {**dataclasses.asdict(self.stats), "kv_usage": bm["kv_usage"],
+            # distinct programs the steps ran, and how many of them `warmup` had not compiled
+            "programs": len(self.programs),
+            "programs_not_warmed": sum(k not in self._compiled for k in self.programs),
             "prefix_hit_rate": bm["prefix_hit_rate"], "capacity_tokens": self.capacity_tokens,
             "num_pages": self.num_pages, "page_size": self.page_size}
 

@@ -196,7 +196,10 @@ def sample(logits: jax.Array, arrays: SamplingArrays, *, greedy_only: bool = Fal
   Args:
     logits: f32[S, vocab_size].
     arrays: the rows' settings.
-    greedy_only: static: every row is greedy (argmax only: no sort, no random numbers).
+    greedy_only: static: every row is greedy (argmax only: no sort, no random numbers). Off,
+      the sort and the draws still run only when some row has temperature > 0 (a `lax.cond`),
+      so one program serves greedy and sampled batches at a greedy batch's cost (the engine
+      compiles one sampling variant, not two).
     num_logprobs: static N of the top-N logprobs returned.
 
   Returns:
@@ -208,11 +211,15 @@ def sample(logits: jax.Array, arrays: SamplingArrays, *, greedy_only: bool = Fal
     tokens = greedy
   else:
     t = arrays.temperature
-    scaled = logits / jnp.where(t > 0, t, 1.0)[:, None]
-    scaled = truncate(scaled, arrays.top_k, arrays.top_p)
-    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[-1:]))(row_keys(arrays))
-    drawn = argmax(scaled + gumbel)   # Gumbel-max = categorical
-    tokens = jnp.where(t > 0, drawn, greedy)
+
+    def draw(_):
+      scaled = logits / jnp.where(t > 0, t, 1.0)[:, None]
+      scaled = truncate(scaled, arrays.top_k, arrays.top_p)
+      gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[-1:]))(row_keys(arrays))
+      drawn = argmax(scaled + gumbel)   # Gumbel-max = categorical
+      return jnp.where(t > 0, drawn, greedy)
+
+    tokens = jax.lax.cond(jnp.any(t > 0), draw, lambda _: greedy, None)
   # log_softmax at the chosen token alone (the full f32[S, V] log_softmax only when top-N asked).
   lse = jax.nn.logsumexp(logits, axis=-1)
   chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse

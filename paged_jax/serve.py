@@ -40,6 +40,7 @@ from paged_jax.engine import Engine
 from paged_jax.host.scheduler import SchedulerConfig
 from paged_jax.sampling import SamplingParams
 
+WARMUPS = ("off", "one_user", "all", "workload")
 _SAMPLING_KEYS = ("max_tokens", "temperature", "top_k", "top_p", "n", "beam_width", "seed",
                   "ignore_eos", "logprobs", "length_penalty", "stop_token_ids")
 
@@ -73,7 +74,7 @@ class ServeConfig:
   impl: str = "auto"
   dtype: str = "float32"
   seed: int = 0
-  warmup: bool = False
+  warmup: str = "off"
   progress: bool = True
   validate_tables: bool = False
   scrub_freed_pages: bool = False
@@ -295,6 +296,7 @@ def summarize(engine: Engine, requests: list[_Request], outs, seconds: float) ->
       "steps": m["steps"], "prefill_s": m["prefill_s"], "decode_s": m["decode_s"],
       "host_s": m["host_s"], "validate_s": m["validate_s"],
       "scrubbed_pages": m["scrubbed_pages"],
+      "programs": m["programs"], "programs_not_warmed": m["programs_not_warmed"],
   }
 
 
@@ -304,20 +306,27 @@ def run(cfg: ServeConfig, model=None) -> dict:
   Args:
     model: (params, model config, tokenizer, eos ids) to reuse instead of loading cfg.model_dir.
   """
+  if cfg.warmup not in WARMUPS:
+    raise ValueError(f"warmup={cfg.warmup!r} is not one of {WARMUPS}")
   params, mcfg, tokenizer, eos = model or load_model(cfg)
   chat = None
   if _needs_chat(cfg):
     chat = chat_lib.Chat(cfg.model_dir or embedded.EMBEDDED_MODEL_DIR, tokenizer, eos)
     eos = chat.end_of_turn_ids   # a chat ends at the template's end of turn
   requests = make_requests(cfg, mcfg, tokenizer, chat)
-  if cfg.warmup:   # the same run on a throwaway engine compiles the shapes it will meet
+  if cfg.warmup == "workload":   # the same run on a throwaway engine compiles what it will meet
     serve(make_engine(cfg, params, mcfg, tokenizer, eos), requests)
   engine = make_engine(cfg, params, mcfg, tokenizer, eos)
+  warm = None
+  if cfg.warmup in ("one_user", "all"):   # the programs the limits can hit, before any request
+    warm = engine.warmup(cfg.warmup, progress=cfg.progress)
   outs, seconds = serve(engine, requests, progress=cfg.progress and not cfg.stream,
                         on_output=_streamer(len(requests)) if cfg.stream else None)
   engine.check_invariants()
   summary = summarize(engine, requests, outs, seconds)
-  summary["compile_included"] = not cfg.warmup
+  summary["compile_included"] = (summary["programs_not_warmed"] > 0 if warm is not None
+                                 else cfg.warmup == "off")
+  summary["warmup"] = warm
   summary["completions"] = [{"request": i, "token_ids": c.token_ids, "text": c.text,
                              "finish_reason": c.finish_reason}
                             for i, o in enumerate(outs) for c in o.outputs]
@@ -332,7 +341,11 @@ def report(r: dict) -> str:
   ms = lambda v: "-" if v is None else f"{1e3 * v:.1f}"
   lines = [
       f"served {r['num_requests']} requests in {r['seconds']:.2f} s"
-      f"{' (compiling included, unless cached from a run before; --warmup excludes it)' if r['compile_included'] else ''}",
+      f"{' (compiling included, unless cached from a run before or warmed up: --warmup)' if r['compile_included'] else ''}",
+      f"  programs: {r['programs']} ran"
+      + (f"; warmup compiled {r['warmup']['compiled']} of {r['warmup']['programs']} in "
+         f"{r['warmup']['seconds']:.1f} s, {r['programs_not_warmed']} more compiled on demand"
+         if r["warmup"] else ""),
       f"  throughput: {r['input_tokens_per_s']:.0f} input tok/s, "
       f"{r['output_tokens_per_s']:.0f} output tok/s "
       f"({r['input_tokens']} in, {r['output_tokens']} out)",
@@ -417,7 +430,11 @@ def define_flags():
   flags.DEFINE_enum("impl", "auto", ["auto", "xla", "pallas", "interpret"], "Attention path.")
   flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter dtype.")
   flags.DEFINE_integer("seed", 0, "Workload and request seeds.")
-  flags.DEFINE_bool("warmup", False, "Run the workload once first, so timing excludes compiling.")
+  flags.DEFINE_enum("warmup", "off", list(WARMUPS),
+                    "Compile before serving: one_user (every program one user's requests run, "
+                    "and every decode program), all (every program the limits can hit; "
+                    "thousands at the default limits), workload (run the workload once on a "
+                    "throwaway engine: exactly its programs, for benchmarks); off.")
   flags.DEFINE_bool("progress", True, "Show a progress bar.")
   flags.DEFINE_bool("validate_tables", False, "Check every step's block tables and write slots "
                     "against the block manager before the device runs it (its cost is reported).")

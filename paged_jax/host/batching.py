@@ -14,7 +14,8 @@ NumPy only: the engine does the one `device_put`.
 
 from __future__ import annotations
 
-from typing import Sequence
+import dataclasses
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -56,8 +57,13 @@ def decode_bucket(n: int) -> int:
   return 1 if n == 1 else next_pow2(n, MIN_DECODE_ROWS)
 
 
-def table_width(longest: int, max_pages_per_seq: int) -> int:
-  """Padded block-table width for a batch whose longest table has `longest` pages."""
+def table_width(longest: int, max_pages_per_seq: int, fixed: bool = False) -> int:
+  """Padded block-table width for a batch whose longest table has `longest` pages. fixed: the
+  model's whole context, whatever the batch (one width, so widths multiply no program count;
+  the XLA path's work follows seq_lens, so the wider table costs its int32s alone; the Pallas
+  kernel splits keys by the width, so it keeps the buckets)."""
+  if fixed:
+    return next_pow2(max_pages_per_seq)
   return max(next_pow2(longest), min(MIN_TABLE_WIDTH, next_pow2(max_pages_per_seq)))
 
 
@@ -86,8 +92,10 @@ def sampling_rows(plan: StepPlan) -> list:
   return rows
 
 
-def build_step(plan: StepPlan, bm: BlockManager, max_pages_per_seq: int = 1) -> dict:
-  """Arrays of a one-step plan (decode rows and prefill chunks mixed).
+def build_step(plan: StepPlan, bm: BlockManager, max_pages_per_seq: int = 1,
+               fixed_width: bool = False) -> dict:
+  """Arrays of a one-step plan (decode rows and prefill chunks mixed); fixed_width: as in
+  `table_width`.
 
   Returns a dict: tokens, positions, slots i32[num_tokens]; block_tables i32[num_rows, width];
   seq_lens i32[num_rows]; cu_q_lens i32[num_rows + 1]; logits_indices i32[num_samples_padded]
@@ -104,7 +112,7 @@ def build_step(plan: StepPlan, bm: BlockManager, max_pages_per_seq: int = 1) -> 
   num_tokens = num_decode + num_prefill_tokens
   rows = decode + prefill
   tables = [bm.block_table(r.seq.seq_id) for r in rows]
-  width = table_width(max(map(len, tables)), max_pages_per_seq)
+  width = table_width(max(map(len, tables)), max_pages_per_seq, fixed_width)
   block_tables = np.full((num_rows, width), NULL_PAGE, np.int32)
   for i, t in enumerate(tables):
     block_tables[i if i < len(decode) else num_decode + i - len(decode), :len(t)] = t
@@ -131,7 +139,8 @@ def build_step(plan: StepPlan, bm: BlockManager, max_pages_per_seq: int = 1) -> 
     offset += n
   cu[num_decode + 1:num_decode + len(prefill) + 1] = num_decode + np.cumsum(chunk_lens)
   cu[num_decode + len(prefill) + 1:] = offset
-  num_samples = max(next_pow2(plan.num_samples), num_rows)   # no new shape in the common case
+  # One sample row per row (no new shape) unless n > 1 samples or beams need more.
+  num_samples = num_rows if plan.num_samples <= num_rows else next_pow2(plan.num_samples)
   logits_indices = np.zeros(num_samples, np.int32)
   s = 0
   for i, r in enumerate(rows):
@@ -145,7 +154,8 @@ def build_step(plan: StepPlan, bm: BlockManager, max_pages_per_seq: int = 1) -> 
               num_decode=num_decode)
 
 
-def build_decode_round(plan: StepPlan, bm: BlockManager, max_pages_per_seq: int = 1) -> dict:
+def build_decode_round(plan: StepPlan, bm: BlockManager, max_pages_per_seq: int = 1,
+                       fixed_width: bool = False) -> dict:
   """Arrays of a k-step decode round: tokens, positions, write_limit i32[num_rows];
   block_tables i32[num_rows, width]; sampling (SamplingArrays). Padding rows have write_limit 0."""
   rows = plan.rows
@@ -157,9 +167,116 @@ def build_decode_round(plan: StepPlan, bm: BlockManager, max_pages_per_seq: int 
     tokens[i], positions[i], limits[i] = r.seq.tokens[-1], r.start, r.write_limit
   tables = [bm.block_table(r.seq.seq_id) for r in rows]
   tables = pad_block_tables(tables, num_rows,
-                            table_width(max(map(len, tables)), max_pages_per_seq))
+                            table_width(max(map(len, tables)), max_pages_per_seq, fixed_width))
   return dict(tokens=tokens, positions=positions, block_tables=tables, write_limit=limits,
               sampling=SamplingArrays.from_rows(sampling_rows(plan), num_rows))
+
+
+class ProgramKey(NamedTuple):
+  """One program the engine compiles: a device step's padded shapes and static options.
+
+  kind: "step" (`step.sample_step`: num_decode decode rows, then num_prefill_rows rows of
+  prefill chunks holding num_prefill_tokens tokens, max_q_len their static bound, 1 without
+  prefill) or "round" (`step.multi_step_decode`: num_steps decode steps of num_decode rows).
+  width: block-table columns; num_samples: sample rows; num_logprobs: the static top-N.
+  """
+  kind: str
+  num_decode: int
+  num_prefill_rows: int
+  num_prefill_tokens: int
+  max_q_len: int
+  width: int
+  num_samples: int
+  num_logprobs: int = 0
+  num_steps: int = 1
+
+
+def program_key(arrays: dict, num_steps: int, num_logprobs: int) -> ProgramKey:
+  """The key of the program that runs `build_step` (num_steps 1) or `build_decode_round` arrays."""
+  rows, width = arrays["block_tables"].shape
+  samples = arrays["sampling"].temperature.shape[0]
+  if num_steps > 1:
+    return ProgramKey("round", rows, 0, 0, 1, width, samples, num_logprobs, num_steps)
+  d = arrays["num_decode"]
+  return ProgramKey("step", d, rows - d, arrays["tokens"].shape[0] - d, arrays["max_q_len"],
+                    width, samples, num_logprobs)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramLimits:
+  """What bounds an engine's step shapes: its scheduler's limits, the model's context, the page
+  size, k and the table-width policy (`table_width`)."""
+  max_num_seqs: int
+  max_num_batched_tokens: int
+  max_position: int
+  page_size: int
+  steps_per_sync: int = 1
+  fixed_width: bool = False
+
+
+def _classes(bucket, upper: int) -> dict[int, tuple[int, int]]:
+  """bucket value -> (smallest, largest) n in [1, upper] that pads to it."""
+  out: dict[int, tuple[int, int]] = {}
+  for n in range(1, upper + 1):
+    b = bucket(n)
+    lo, _ = out.get(b, (n, n))
+    out[b] = (lo, n)
+  return out
+
+
+def reachable_programs(limits: ProgramLimits) -> list[ProgramKey]:
+  """Every program a run under `limits` can compile with n=1, no beams and no logprobs (those
+  add sample-row and top-N variants). A superset: combinations of buckets whose smallest members
+  fit the limits together. max_num_seqs=1 gives one user's programs exactly: decode rounds of
+  one row, a one-row decode step, and a prefill step per token bucket of one prompt's chunk."""
+  S, B = limits.max_num_seqs, limits.max_num_batched_tokens
+  longest_chunk = min(B, limits.max_position - 1)
+  max_pages = -(-limits.max_position // limits.page_size)
+  widths = sorted({table_width(n, max_pages, limits.fixed_width) for n in range(1, max_pages + 1)})
+  decode = _classes(decode_bucket, min(S, B))
+  prefill = _classes(lambda n: next_pow2(n, MIN_PREFILL_ROWS), min(S, B))
+  tokens = _classes(lambda n: token_bucket(n, MIN_PREFILL_TOKENS), B)
+  keys = []
+  for w in widths:
+    if limits.steps_per_sync > 1:
+      keys += [ProgramKey("round", d, 0, 0, 1, w, d, 0, limits.steps_per_sync) for d in decode]
+    for d, (nd, _) in [(0, (0, 0))] + sorted(decode.items()):
+      if d:
+        keys.append(ProgramKey("step", d, 0, 0, 1, w, d))
+      for p, (np_lo, np_hi) in sorted(prefill.items()):
+        if nd + np_lo > S:
+          continue
+        rows_hi = min(np_hi, S - nd)
+        for t, (t_lo, t_hi) in sorted(tokens.items()):
+          t_lo, t_hi = max(t_lo, np_lo), min(t_hi, B - nd)
+          if t_lo > t_hi:
+            continue
+          # the longest chunk: at least an even share of the tokens, at most all of them
+          qs = {next_pow2(c, MIN_Q_BUCKET)
+                for c in range(-(-t_lo // rows_hi), min(t_hi, longest_chunk) + 1)}
+          keys += [ProgramKey("step", d, p, t, q, w, d + p) for q in sorted(qs)]
+  return keys
+
+
+def placeholder_arrays(key: ProgramKey) -> dict:
+  """Arrays shaped as `build_step` / `build_decode_round` make them for `key`, every row padding
+  (what `Engine.warmup` lowers a program with: shapes and dtypes are what it compiles for)."""
+  d, w, s = key.num_decode, key.width, key.num_samples
+  sampling = SamplingArrays.from_rows([], s)
+  if key.kind == "round":
+    zeros = np.zeros(d, np.int32)
+    return dict(tokens=zeros, positions=zeros, write_limit=zeros,
+                block_tables=np.full((d, w), NULL_PAGE, np.int32), sampling=sampling)
+  rows, tokens = d + key.num_prefill_rows, d + key.num_prefill_tokens
+  seq_lens = np.zeros(rows, np.int32)
+  seq_lens[:d] = 1
+  cu = np.full(rows + 1, d, np.int32)
+  cu[:d + 1] = np.arange(d + 1)
+  zeros = np.zeros(tokens, np.int32)
+  return dict(tokens=zeros, positions=zeros, slots=zeros,
+              block_tables=np.full((rows, w), NULL_PAGE, np.int32), seq_lens=seq_lens,
+              cu_q_lens=cu, logits_indices=np.zeros(s, np.int32), sampling=sampling,
+              max_q_len=key.max_q_len, num_decode=d)
 
 
 def copy_batches(pairs: Sequence[tuple[int, int]]) -> list[list[tuple[int, int]]]:

@@ -607,6 +607,7 @@ class ExperimentsTest(absltest.TestCase):
     # Beams share the prefixes they have in common as well as the prompt.
     self.assertGreater(by[("beam", 3)]["saving"], by[("parallel", 3)]["saving"])
 
+  @pytest.mark.slow   # six serve runs of the embedded model: 18-23 s, over the 20 s check
   def test_sharing_prefix_caching(self):
     import tempfile
     r = sharing.run(sharing.SharingConfig(parts=("prefix",), prefix_requests=6, output_len=4,

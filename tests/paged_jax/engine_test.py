@@ -264,5 +264,40 @@ class EngineTest(absltest.TestCase):
     self.assertEqual(text.replace(" ", ""), "hello")               # ... the text does not
 
 
+class WarmupTest(absltest.TestCase):
+
+  def test_one_user_after_warmup_compiles_nothing(self):
+    # Warmed for one user, a chat of turns (a later turn reuses the earlier one's pages as a
+    # cached prefix; one turn samples) runs only warmed programs: JAX traces and compiles
+    # nothing while it serves, and the tokens are those of the engine without warmup.
+    import jax
+    events = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, secs, **_: events.append(name) if watching else None)
+    watching = False
+    sched = dict(max_num_batched_tokens=128, steps_per_sync=3, max_num_seqs=2)   # 6 programs
+    first = [t % 64 for t in range(1, 30)]
+    turns = [(first, SamplingParams(max_tokens=8)),
+             (first + [t % 64 for t in range(40, 140)], SamplingParams(max_tokens=5)),
+             ([3] * 70, SamplingParams(max_tokens=6, temperature=0.9, seed=1))]
+    out = {}
+    for warm in (False, True):
+      e = make(num_pages=200, **sched)
+      if warm:
+        report = e.warmup("one_user")
+        self.assertEqual(report["compiled"], report["programs"])
+        self.assertEqual(e.warmup("one_user")["compiled"], 0)   # nothing twice
+        watching = True
+      out[warm] = [e.generate([p], sp)[0].outputs[0].token_ids for p, sp in turns]
+      watching = False
+    self.assertGreater(e.metrics()["cached_prompt_tokens"], 0)
+    self.assertEqual(e.metrics()["programs_not_warmed"], 0)
+    self.assertEqual(e.metrics()["programs"], 3)   # prefill of 64 and of 128 tokens, a round
+    self.assertEqual([n for n in events if "compile" in n or "trace" in n], [])
+    self.assertEqual(out[True], out[False])
+    with self.assertRaisesRegex(ValueError, "scope='most' is not"):
+      e.warmup("most")
+
+
 if __name__ == "__main__":
   absltest.main()

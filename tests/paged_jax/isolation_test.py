@@ -155,8 +155,8 @@ class ValidationTest(absltest.TestCase):
     engine = make()
     real = batching.build_step
 
-    def corrupt(plan, bm, width):
-      a = real(plan, bm, width)
+    def corrupt(plan, bm, *args):
+      a = real(plan, bm, *args)
       if len(plan.rows) > 1:   # row 0 gets a page of row 1
         a["block_tables"][0, 0] = bm.block_table(plan.rows[1].seq.seq_id)[0]
       return a

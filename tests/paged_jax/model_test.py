@@ -4,6 +4,7 @@ from absl.testing import absltest, parameterized
 import chex
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from paged_jax import config, generate, model, step, testing
 from paged_jax.config import CacheConfig
@@ -156,31 +157,12 @@ class ScannedLayersTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "stacked already"):
       model.stack_layers(stacked, cfg)
 
-  @parameterized.named_parameters(
-      (f"{name}_{program}", overrides, program)
-      for name, overrides in SCAN_CASES.items() for program in ("mixed_step", "decode_round"))
-  def test_logits_and_pool_equal_the_unrolled_decoder(self, overrides, program):
-    # On the same random pool, either a mixed step (two decode rows, a prefill chunk after a
-    # cached prefix, a fresh prompt) or a 3-step decode round: every logit and every pool value.
-    # (Two tests, not one: each compiles two programs per family, under the 20 s check.)
-    cfg = config.tiny_config(**overrides)
-    params = testing.random_params(cfg, seed=2, scale=0.3)
-    stacked = model.stack_layers(params, cfg)
-    out = {}
-    for name, p in (("unrolled", params), ("scan", stacked)):
-      batch, pool, state = _mixed_step_inputs(cfg)
-      if program == "mixed_step":
-        out[name] = step.prefill_step(p, pool, batch, cfg=cfg, impl="xla")
-      else:
-        dec, pool = step.multi_step_decode(p, pool, state, _greedy_rows(4), cfg=cfg,
-                                           num_steps=3, impl="xla", greedy_only=True)
-        out[name] = (dec.tokens, pool)
-    # Bit for bit: the same ops, in a while loop's body or not (`_decode` materializes Gemma's
-    # scaled embedding so that layer 0 reads the same rounded values both ways).
-    chex.assert_trees_all_equal(out["scan"], out["unrolled"])
+  @parameterized.parameters("mixed_step", "decode_round")
+  def test_logits_and_pool_equal_the_unrolled_decoder(self, program):
+    _scan_equals_unrolled(SCAN_CASES["llama"], program)
 
   def test_engine_greedy_under_preemption(self):
-    # Llama's one scan run (the other families' bodies are pinned bit for bit above).
+    # Llama's one scan run (every family's body is pinned bit for bit: _scan_equals_unrolled).
     cfg = config.tiny_config(**SCAN_CASES["llama"])
     params = testing.random_params(cfg, seed=3, scale=0.3)
     prompts, new = PROMPTS, 6
@@ -212,6 +194,40 @@ class ScannedLayersTest(parameterized.TestCase):
 def _greedy_rows(n):
   from paged_jax.sampling import SamplingArrays
   return SamplingArrays.from_rows([(SamplingParams(), 0, 0, 0)] * n, n)
+
+
+def _scan_equals_unrolled(overrides, program):
+  # On the same random pool, either a mixed step (two decode rows, a prefill chunk after a
+  # cached prefix, a fresh prompt) or a 3-step decode round: every logit and every pool value.
+  # (Two tests, not one: each compiles two programs per family, under the 20 s check.)
+  cfg = config.tiny_config(**overrides)
+  params = testing.random_params(cfg, seed=2, scale=0.3)
+  stacked = model.stack_layers(params, cfg)
+  out = {}
+  for name, p in (("unrolled", params), ("scan", stacked)):
+    batch, pool, state = _mixed_step_inputs(cfg)
+    if program == "mixed_step":
+      out[name] = step.prefill_step(p, pool, batch, cfg=cfg, impl="xla")
+    else:
+      dec, pool = step.multi_step_decode(p, pool, state, _greedy_rows(4), cfg=cfg,
+                                         num_steps=3, impl="xla", greedy_only=True)
+      out[name] = (dec.tokens, pool)
+  # Bit for bit: the same ops, in a while loop's body or not (`_decode` materializes Gemma's
+  # scaled embedding so that layer 0 reads the same rounded values both ways).
+  chex.assert_trees_all_equal(out["scan"], out["unrolled"])
+
+
+# The other families' layer groups (windows on some layers, Gemma's alternating bodies): in the
+# slow tier, which CI also runs (their deeper unrolled programs cost 60-70 s to compile).
+@pytest.mark.slow
+class ScannedFamiliesTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      (f"{name}_{program}", SCAN_CASES[name], program)
+      for name in ("qwen2_some_windows", "gemma2", "gemma3")
+      for program in ("mixed_step", "decode_round"))
+  def test_logits_and_pool_equal_the_unrolled_decoder(self, overrides, program):
+    _scan_equals_unrolled(overrides, program)
 
 
 def _mixed_step_inputs(cfg):

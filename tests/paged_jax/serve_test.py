@@ -24,6 +24,19 @@ class ServeTest(absltest.TestCase):
     self.assertGreater(r["output_tokens_per_s"], 0)
     self.assertIsNotNone(r["ttft_s"]["p50"])
 
+  def test_one_user_warmup_covers_the_prompts(self):
+    # The embedded model's context (128) leaves two token buckets: warmup compiles their prefill,
+    # the decode programs of every row count, and the prompts then run nothing unwarmed.
+    cfg = serve.ServeConfig(prompts=("h e l l o",), page_size=4, num_pages=64, max_num_seqs=4,
+                            warmup="one_user", progress=False)
+    r = serve.run(cfg, MODEL)
+    self.assertEqual(r["completions"][0]["text"], "h e l l o")
+    self.assertEqual((r["programs_not_warmed"], r["compile_included"]), (0, False))
+    self.assertEqual(r["warmup"]["compiled"], r["warmup"]["programs"])
+    self.assertIn("programs: 2 ran; warmup compiled", serve.report(r))
+    with self.assertRaisesRegex(ValueError, "warmup='yes' is not one of"):
+      serve.run(serve.ServeConfig(prompts=("a",), warmup="yes"), MODEL)
+
   def test_jsonl_requests_with_their_own_settings(self):
     path = os.path.join(tempfile.mkdtemp(), "requests.jsonl")
     with open(path, "w") as f:

@@ -1,7 +1,10 @@
 """Shape buckets of the host's step arrays (`paged_jax.host.batching`): how many programs a run
 compiles, and which rows, tokens and table columns each one pads to."""
 
+import dataclasses
+
 from absl.testing import absltest
+import numpy as np
 
 from paged_jax import config, testing
 from paged_jax.config import CacheConfig
@@ -37,6 +40,83 @@ class BucketTest(absltest.TestCase):
       arrays = batching.build_decode_round(plan, engine.bm, engine.max_pages_per_seq)
       self.assertEqual(arrays["tokens"].shape, (rows,), users)
       self.assertEqual(arrays["block_tables"].shape[0], rows)
+
+
+class ProgramsTest(absltest.TestCase):
+  """`reachable_programs`: the set warmup compiles, against the keys real runs take."""
+
+  def _serve(self, max_num_seqs, seed):
+    # Requests of 1-300 tokens arriving while others decode: decode rounds, decode steps,
+    # chunked prefills, mixed steps.
+    rng = np.random.default_rng(seed)
+    engine = Engine(None, CFG, cache=CacheConfig(page_size=4, num_pages=600),
+                    scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                              max_num_batched_tokens=256, steps_per_sync=3),
+                    steps=testing.FakeSteps().functions())
+    for _ in range(40):
+      for _ in range(rng.integers(0, 3)):
+        n = int(rng.integers(1, 300))
+        engine.add_request(rng.integers(0, 500, n).tolist(),
+                           SamplingParams(max_tokens=int(rng.integers(1, 12)), ignore_eos=True))
+      if engine.has_unfinished():
+        engine.step()
+    while engine.has_unfinished():
+      engine.step()
+    return engine
+
+  def test_every_program_a_run_takes_is_reachable(self):
+    for max_num_seqs, seed in ((6, 0), (6, 1), (1, 2)):
+      engine = self._serve(max_num_seqs, seed)
+      used = set(engine.programs)
+      reach = set(batching.reachable_programs(engine.program_limits))
+      self.assertEqual(used - reach, set(), (max_num_seqs, seed))
+      kinds = {(k.kind, k.num_decode > 0, k.num_prefill_rows > 0) for k in used}
+      if max_num_seqs > 1:   # the run met every kind of program, mixed steps included
+        self.assertLessEqual({("round", True, False), ("step", True, True),
+                              ("step", False, True)}, kinds)
+      # XLA path: one block-table width, the model's whole context
+      self.assertEqual({k.width for k in used}, {128})
+
+  def test_one_users_programs(self):
+    # One sequence at a time: a one-row round, a one-row decode step, and one prefill program
+    # per token bucket of a chunk (its max_q_len follows from the bucket), nothing else.
+    limits = batching.ProgramLimits(1, 256, 512, 4, steps_per_sync=3, fixed_width=True)
+    keys = batching.reachable_programs(limits)
+    buckets = sorted({batching.token_bucket(n, batching.MIN_PREFILL_TOKENS)
+                      for n in range(1, 257)})
+    self.assertEqual(buckets, [64, 128, 256])
+    self.assertEqual(sorted(keys), sorted(
+        [batching.ProgramKey("round", 1, 0, 0, 1, 128, 1, 0, 3),
+         batching.ProgramKey("step", 1, 0, 0, 1, 128, 1)] +
+        [batching.ProgramKey("step", 0, 4, t, t, 128, 4) for t in buckets]))
+    # The kernel path keeps its width buckets: 64 and 128 columns here.
+    wide = batching.reachable_programs(dataclasses.replace(limits, fixed_width=False))
+    self.assertEqual(len(wide), 2 * len(keys))
+    # Several users multiply the mixed steps; the decode programs stay one per row bucket.
+    many = batching.reachable_programs(dataclasses.replace(limits, max_num_seqs=16))
+    self.assertEqual(sorted(k.num_decode for k in many if k.kind == "round"), [1, 8, 16])
+    self.assertGreater(len(many), 10 * len(keys))
+
+  def test_a_mixed_step_samples_one_row_per_row(self):
+    # 5 decode rows (padded to 8) and 4 prompts (4 rows) all sample: 9 sample rows pad to the
+    # step's 12 rows, not to 16 (which would be a program of its own).
+    engine = Engine(None, CFG, cache=CacheConfig(page_size=4, num_pages=64),
+                    scheduler=SchedulerConfig(max_num_seqs=16), steps=testing.FakeSteps().functions())
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    for r in range(5):
+      engine.add_request([100 * r, 100 * r + 1], params)
+    engine.step()
+    for r in range(5, 9):
+      engine.add_request([100 * r], params)
+    engine.step()
+    (key,) = [k for k in engine.programs if k.num_decode and k.num_prefill_rows]
+    self.assertEqual((key.num_decode, key.num_prefill_rows, key.num_samples), (8, 4, 12))
+
+  def test_placeholder_arrays_have_the_shapes_of_the_key(self):
+    engine = self._serve(6, 3)
+    for key in engine.programs:
+      a = batching.placeholder_arrays(key)
+      self.assertEqual(batching.program_key(a, key.num_steps, key.num_logprobs), key)
 
 
 if __name__ == "__main__":
