@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax import attention, model, page_ops, sharding, step
+from paged_jax import program_store as program_store_lib
 from paged_jax.config import CacheConfig, ModelConfig
 from paged_jax.host import batching
 from paged_jax.host.addressing import pages_needed
@@ -147,6 +148,10 @@ class Engine(EngineLoop):
       per layer (compile time stops growing with depth). Off: the layers are unrolled, which
       reads each weight in place (a scan slices each layer's weights out of the stack, a copy
       on XLA:CPU; `experiments.layer_loop_bench`). Not yet with a mesh.
+    program_store: a directory of compiled step programs (`paged_jax.program_store`): a
+      program the engine needs is loaded from it (no trace, no compile) or compiled and kept
+      there, so a restarted engine starts in a fraction of a second a program. None: off (each
+      program is traced and compiled by jit on first use). Not with a mesh.
   """
 
   def __init__(self, params, cfg: ModelConfig, *, cache: CacheConfig = CacheConfig(),
@@ -154,9 +159,12 @@ class Engine(EngineLoop):
                tokenizer=None, eos_token_ids: Iterable[int] = (),
                steps: StepFunctions = StepFunctions(), validate_tables: bool | None = None,
                scrub_freed_pages: bool = False, max_step_retries: int = 2, mesh=None,
-               scan_layers: bool = False):
+               scan_layers: bool = False, program_store: str | None = None):
     if max_step_retries < 1:
       raise ValueError(f"max_step_retries={max_step_retries} must be >= 1")
+    if program_store and mesh is not None:
+      raise ValueError("program_store with a mesh is not supported (sharded executables are "
+                       "not stored): leave program_store=None on a mesh")
     if scan_layers and mesh is not None:
       raise ValueError("scan_layers=True with a mesh is not supported yet (the stacked params' "
                        "shardings): run the layers unrolled (scan_layers=False) on a mesh")
@@ -201,7 +209,11 @@ class Engine(EngineLoop):
         is None)
     self.fixed_width = not uses_kernel
     self.programs: collections.Counter[batching.ProgramKey] = collections.Counter()  # -> calls
-    self._compiled: dict[batching.ProgramKey, object] = {}   # what `warmup` compiled
+    self._compiled: dict[batching.ProgramKey, object] = {}   # warmed up, or loaded
+    self._warmed: set[batching.ProgramKey] = set()           # what `warmup` provided
+    self._program_origin = collections.Counter()             # "compiled" / "loaded" programs
+    self._store = program_store_lib.ProgramStore(program_store) if program_store else None
+    self._identity = None   # program_store.engine_identity, computed on first use
     self.stats = EngineStats()
     self._rng = np.random.default_rng(seed)
     self._swap: dict[str, tuple[np.ndarray, np.ndarray]] = {}   # request id -> host K, V
@@ -486,6 +498,8 @@ class Engine(EngineLoop):
     fn, inputs, kw = self._call(a, key)
     args = (self.params, self.pool) + inputs
     compiled = self._compiled.get(key)   # warmed up: no trace, no cache lookup
+    if compiled is None and self._store is not None:   # load it, or compile and keep it
+      compiled = self._program(key, fn, args, kw)[0]
     t = time.perf_counter()
     with self._mesh_context():
       sampled, self.pool = fn(*args, **kw) if compiled is None else compiled(*args)
@@ -535,18 +549,48 @@ class Engine(EngineLoop):
     return keys
 
   def warmup(self, scope: str = "one_user", *, progress: bool = False) -> dict:
-    """Compiles the programs of `warmup_programs(scope)` that this process has not compiled
-    yet, so that no request pays for them (with the persistent compilation cache on, a later
-    process loads them instead of compiling). Returns {"programs", "compiled", "seconds"}."""
+    """Compiles the programs of `warmup_programs(scope)` that this process does not hold yet,
+    so that no request pays for them; with a program store they are loaded from it where it
+    has them (no trace, no compile) and stored where it does not. Returns {"programs",
+    "compiled", "loaded", "seconds"}."""
     from tqdm import tqdm
     keys = self.warmup_programs(scope)
     t0 = time.perf_counter()
+    self._warmed.update(k for k in keys if k in self._compiled)
     todo = [k for k in keys if k not in self._compiled]
+    loaded = 0
     with self._mesh_context():
       for key in tqdm(todo, disable=not progress, unit="program", desc="warmup"):
         fn, inputs, kw = self._call(batching.placeholder_arrays(key), key)
-        self._compiled[key] = fn.lower(self.params, self.pool, *inputs, **kw).compile()
-    return {"programs": len(keys), "compiled": len(todo), "seconds": time.perf_counter() - t0}
+        loaded += self._program(key, fn, (self.params, self.pool) + inputs, kw)[1]
+        self._warmed.add(key)
+    return {"programs": len(keys), "compiled": len(todo) - loaded, "loaded": loaded,
+            "seconds": time.perf_counter() - t0}
+
+  def _program(self, key: batching.ProgramKey, fn, args, kw) -> tuple[object, bool]:
+    """(the compiled program of `key`, whether it came from the program store): from the
+    store if it has it, else lowered and compiled (and stored)."""
+    path = None
+    if self._store is not None:
+      if self._identity is None:
+        self._identity = program_store_lib.engine_identity(self.cfg, self.impl, self.params,
+                                                           self.pool)
+      path = self._store.path(self._identity, key)
+      compiled = self._store.load(path)
+      if compiled is not None:
+        self._compiled[key] = compiled
+        self._program_origin["loaded"] += 1
+        return compiled, True
+    hits = program_store_lib.cache_hits()
+    compiled = fn.lower(*args, **kw).compile()
+    self._program_origin["compiled"] += 1
+    if path is not None:
+      if program_store_lib.cache_hits() == hits:
+        self._store.save(path, compiled)
+      else:   # from JAX's persistent cache: it would not load back (program_store._hits)
+        logging.info("program store: %s came from JAX's compilation cache; not stored", key)
+    self._compiled[key] = compiled
+    return compiled, False
 
   def _mesh_context(self):
     """The ambient mesh the model step reads (`sharding.over_kv_heads`); nothing without one."""
@@ -628,7 +672,11 @@ class Engine(EngineLoop):
     return {**dataclasses.asdict(self.stats), "kv_usage": bm["kv_usage"],
             # distinct programs the steps ran, and how many of them `warmup` had not compiled
             "programs": len(self.programs),
-            "programs_not_warmed": sum(k not in self._compiled for k in self.programs),
+            "programs_not_warmed": sum(k not in self._warmed for k in self.programs),
+            # programs this engine compiled itself / loaded from its program store (jit's own
+            # compiles, without a store, are not counted here)
+            "programs_compiled": self._program_origin["compiled"],
+            "programs_loaded": self._program_origin["loaded"],
             "prefix_hit_rate": bm["prefix_hit_rate"], "capacity_tokens": self.capacity_tokens,
             "num_pages": self.num_pages, "page_size": self.page_size}
 

@@ -37,6 +37,7 @@ from paged_jax import chat as chat_lib
 from paged_jax import checkpoint, data_parallel, embedded, sharding, workloads
 from paged_jax.config import DEFAULT_COMPILATION_CACHE, CacheConfig, enable_compilation_cache
 from paged_jax.engine import Engine
+from paged_jax.program_store import DEFAULT_PROGRAM_STORE
 from paged_jax.host.scheduler import SchedulerConfig
 from paged_jax.sampling import SamplingParams
 
@@ -80,6 +81,7 @@ class ServeConfig:
   scrub_freed_pages: bool = False
   mesh: str = "1x1"
   scan_layers: bool = False
+  program_store: str | None = None
   chat: bool = False
   stream: bool = False
 
@@ -207,6 +209,8 @@ def make_engine(cfg: ServeConfig, params, mcfg, tokenizer, eos):
             scrub_freed_pages=cfg.scrub_freed_pages)
   if cfg.scan_layers:
     kw["scan_layers"] = True
+  if cfg.program_store and mesh is None:   # one device: its compiled programs are kept
+    kw["program_store"] = cfg.program_store
   return data_parallel.make_engine(params, mcfg, mesh=mesh, **kw)
 
 
@@ -297,6 +301,7 @@ def summarize(engine: Engine, requests: list[_Request], outs, seconds: float) ->
       "host_s": m["host_s"], "validate_s": m["validate_s"],
       "scrubbed_pages": m["scrubbed_pages"],
       "programs": m["programs"], "programs_not_warmed": m["programs_not_warmed"],
+      "programs_compiled": m["programs_compiled"], "programs_loaded": m["programs_loaded"],
   }
 
 
@@ -343,9 +348,11 @@ def report(r: dict) -> str:
       f"served {r['num_requests']} requests in {r['seconds']:.2f} s"
       f"{' (compiling included, unless cached from a run before or warmed up: --warmup)' if r['compile_included'] else ''}",
       f"  programs: {r['programs']} ran"
-      + (f"; warmup compiled {r['warmup']['compiled']} of {r['warmup']['programs']} in "
-         f"{r['warmup']['seconds']:.1f} s, {r['programs_not_warmed']} more compiled on demand"
-         if r["warmup"] else ""),
+      + (f"; warmup compiled {r['warmup']['compiled']} and loaded {r['warmup']['loaded']} of "
+         f"{r['warmup']['programs']} in {r['warmup']['seconds']:.1f} s, "
+         f"{r['programs_not_warmed']} more on demand" if r["warmup"] else "")
+      + (f" ({r['programs_loaded']} loaded from the program store in all)"
+         if r["programs_loaded"] else ""),
       f"  throughput: {r['input_tokens_per_s']:.0f} input tok/s, "
       f"{r['output_tokens_per_s']:.0f} output tok/s "
       f"({r['input_tokens']} in, {r['output_tokens']} out)",
@@ -372,7 +379,10 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError("Too many command-line arguments.")
   f = flags.FLAGS
-  enable_compilation_cache(f.compilation_cache)
+  # One device with a program store: the store keeps the step programs, and JAX's cache stays
+  # off (an executable it supplies cannot be stored: program_store._hits).
+  if not f.program_store or int(np.prod(sharding.parse_mesh(f.mesh))) > 1:
+    enable_compilation_cache(f.compilation_cache)
   cfg = ServeConfig(
       model_dir=f.model, prompts=tuple(f.prompt or ()), prompts_file=f.prompts_file,
       workload=f.workload, num_requests=f.num_requests, request_rate=f.request_rate,
@@ -385,7 +395,8 @@ def main(argv):
       enable_prefix_caching=f.enable_prefix_caching,
       impl=f.impl, dtype=f.dtype, seed=f.seed, warmup=f.warmup, progress=f.progress,
       validate_tables=f.validate_tables, scrub_freed_pages=f.scrub_freed_pages, mesh=f.mesh,
-      scan_layers=f.scan_layers, chat=f.chat, stream=f.stream)
+      scan_layers=f.scan_layers, program_store=f.program_store or None, chat=f.chat,
+      stream=f.stream)
   sharding.ensure_host_devices(cfg.mesh)
   r = run(cfg)
   print(report(r))
@@ -445,8 +456,12 @@ def define_flags():
   flags.DEFINE_bool("scan_layers", False, "Run the layers as a lax.scan over stacked weights: "
                     "compile time stops growing with depth; unrolled (the default) reads each "
                     "weight in place, faster at small batches on a CPU.")
+  flags.DEFINE_string("program_store", DEFAULT_PROGRAM_STORE,
+                      "Directory of compiled step programs, loaded by later runs without "
+                      "tracing or compiling (paged_jax.program_store; '' = off; one device).")
   flags.DEFINE_string("compilation_cache", DEFAULT_COMPILATION_CACHE,
-                      "Directory for compiled programs, reused by later runs ('' = off).")
+                      "Directory for JAX's persistent compilation cache, reused by later runs "
+                      "('' = off); used only with --program_store=''.")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@
   starts, inherited like the cache); PAGED_JAX_TEST_FAST_COMPILE=0 compiles at XLA's defaults
   (`.ci/run`'s jax 0.11 stage does, so CI also runs the kernel, attention and isolation tests
   on the programs users get).
+- GGUF loads keep their converted-model cache (`gguf_file.converted_cache_dir`) in a temporary
+  folder of the process, removed at exit, not in ~/.cache (PAGED_JAX_GGUF_CACHE, unless set).
 - Every Engine a test builds validates its step arrays against the block manager before each step
   (`Engine(validate_tables=None)` reads PAGED_JAX_VALIDATE_TABLES).
 - Compiled programs are released after each test module. Each XLA:CPU executable keeps a few
@@ -41,6 +43,12 @@ import subprocess
 import time
 
 os.environ.setdefault("PAGED_JAX_VALIDATE_TABLES", "1")
+if "PAGED_JAX_GGUF_CACHE" not in os.environ:
+  import atexit
+  import shutil
+  import tempfile
+  os.environ["PAGED_JAX_GGUF_CACHE"] = tempfile.mkdtemp(prefix="paged_jax_gguf_")
+  atexit.register(shutil.rmtree, os.environ["PAGED_JAX_GGUF_CACHE"], True)
 
 if (os.environ.get("PAGED_JAX_TEST_COMPILE_CACHE")
     and not os.environ.get("JAX_COMPILATION_CACHE_DIR")):

@@ -298,6 +298,70 @@ class WarmupTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "scope='most' is not"):
       e.warmup("most")
 
+  def test_a_restart_loads_its_programs_from_the_store(self):
+    # The first engine compiles what it meets and stores it; a second one (a restarted
+    # process) loads those programs without tracing or compiling anything and gives the same
+    # tokens; a damaged file is compiled again. Warmup from the store loads, too.
+    import jax
+    import os
+    import tempfile
+    store = tempfile.mkdtemp()
+    events = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, secs, **_: events.append(name) if watching else None)
+    watching = False
+    prompt, sp = [5, 6, 7, 8, 9, 10], SamplingParams(max_tokens=7)
+    sched = SchedulerConfig(steps_per_sync=3, max_num_seqs=1, max_num_batched_tokens=64)
+    # A model of its own: XLA:CPU cannot serialize an executable that has already run (a sort's
+    # `LessThan`), which jit hands back for a program this process compiled before.
+    cfg = config.tiny_config(num_layers=3)
+    params = testing.random_params(cfg, seed=4, scale=0.3)
+    new = lambda: Engine(params, cfg, cache=CacheConfig(page_size=4, num_pages=40),
+                         scheduler=sched, impl="xla", program_store=store)
+    first = new()
+    want = first.generate([prompt], sp)[0].outputs[0].token_ids
+    self.assertEqual(want, testing.dense_greedy(params, cfg, prompt, 7))
+    m = first.metrics()
+    self.assertEqual((m["programs_compiled"], m["programs_loaded"]), (2, 0))
+    self.assertLen(os.listdir(store), 2)
+    second = new()
+    watching = True
+    self.assertEqual(second.generate([prompt], sp)[0].outputs[0].token_ids, want)
+    watching = False
+    m = second.metrics()
+    self.assertEqual((m["programs_compiled"], m["programs_loaded"]), (0, 2))
+    self.assertEqual([n for n in events if "compile" in n or "trace" in n], [])
+    report = new().warmup("one_user")   # one user, 64 tokens: a prefill, a round, a step
+    self.assertEqual((report["loaded"], report["compiled"]), (2, 1))
+    for name in os.listdir(store):
+      with open(os.path.join(store, name), "wb") as f:
+        f.write(b"damaged")
+    third = new()
+    with self.assertLogs(level="WARNING") as logs:
+      self.assertEqual(third.generate([prompt], sp)[0].outputs[0].token_ids, want)
+    self.assertIn("cannot load", logs.output[0])
+    self.assertEqual(third.metrics()["programs_compiled"], 2)
+    with self.assertRaisesRegex(ValueError, "program_store with a mesh"):
+      Engine(PARAMS, CFG, program_store=store, mesh=object())
+
+  def test_a_program_from_the_persistent_cache_is_not_stored(self):
+    # XLA:CPU serializes an executable JAX's persistent cache supplied without its compiled
+    # functions; the engine stores only what it compiled itself (a hit counted meanwhile:
+    # simulated here, as the suite runs without that cache).
+    import os
+    import tempfile
+    from paged_jax import program_store
+    store = tempfile.mkdtemp()
+    real = program_store.cache_hits
+    calls = iter(range(100))
+    program_store.cache_hits = lambda: next(calls)   # every compile "hits"
+    self.addCleanup(setattr, program_store, "cache_hits", real)
+    e = Engine(PARAMS, CFG, cache=CacheConfig(page_size=4, num_pages=40), impl="xla",
+               program_store=store)
+    e.generate([[5, 6, 7]], SamplingParams(max_tokens=3))
+    self.assertEqual(e.metrics()["programs_compiled"], 2)
+    self.assertEqual(os.listdir(store), [])
+
 
 if __name__ == "__main__":
   absltest.main()

@@ -144,6 +144,76 @@ class WrittenGGUFTest(parameterized.TestCase):
     self.assertEqual(str(ours["layers_0_mlp"]["up_proj"]["kernel"].dtype), "bfloat16")
 
 
+@absltest.skipIf(gguf is None and not testing.REQUIRE_TORCH, NEEDS)
+class ConvertedCacheTest(absltest.TestCase):
+  """The converted-model cache: a second load reads neither the file's metadata nor its
+  tensors, and gives the same params, config, tokenizer and metadata."""
+
+  def setUp(self):
+    super().setUp()
+    from paged_jax import config, gguf_file
+    self.gguf_file = gguf_file
+    self.dir = tempfile.mkdtemp()
+    self.addCleanup(shutil.rmtree, self.dir)
+    os.environ["PAGED_JAX_GGUF_CACHE"], old = os.path.join(self.dir, "cache"), os.environ.get(
+        "PAGED_JAX_GGUF_CACHE")
+    self.addCleanup(os.environ.__setitem__, "PAGED_JAX_GGUF_CACHE", old)
+    self.cfg = config.tiny_config(rms_norm_eps=1e-5)
+    self.path = os.path.join(self.dir, "m.gguf")
+    gguf_file.save(testing.random_params(self.cfg, seed=0), self.cfg, self.path,
+                   tensor_type="Q8_0")
+
+  def _no_reader(self):
+    def refuse(path):
+      raise AssertionError(f"{path} was parsed")
+    real = self.gguf_file._reader
+    self.gguf_file._reader = refuse
+    self.addCleanup(setattr, self.gguf_file, "_reader", real)
+
+  def test_second_load_reads_the_cache(self):
+    for dtype in ("float32", "bfloat16"):
+      first = checkpoint.load_checkpoint(self.path, dtype)
+      with self.subTest(dtype):
+        real = self.gguf_file._reader
+        self._no_reader()
+        second = checkpoint.load_checkpoint(self.path, dtype)
+        self.gguf_file._reader = real
+        self.assertEqual(second[1], first[1])
+        self.assertEqual(jax.tree.structure(second[0]), jax.tree.structure(first[0]))
+        for a, b in zip(jax_leaves(second[0]), jax_leaves(first[0])):
+          self.assertEqual(a.dtype, b.dtype)
+          np.testing.assert_array_equal(a, b)
+        self.assertTrue(all(isinstance(x, jax.Array) for x in jax.tree.leaves(second[0])))
+    self.assertEqual(len(os.listdir(os.environ["PAGED_JAX_GGUF_CACHE"])), 1)   # one entry
+    meta = self.gguf_file._metadata_cached.__wrapped__(self.path, 0, 0)
+    self._no_reader()
+    self.assertEqual(self.gguf_file._metadata_cached.__wrapped__(self.path, 0, 0), meta)
+
+  def test_a_new_version_of_the_file_or_a_damaged_entry_is_converted_again(self):
+    checkpoint.load_checkpoint(self.path)
+    (entry,) = os.listdir(os.environ["PAGED_JAX_GGUF_CACHE"])
+    npz = os.path.join(os.environ["PAGED_JAX_GGUF_CACHE"], entry, "params-float32.npz")
+    with open(npz, "wb") as f:
+      f.write(b"not a zip")
+    with self.assertLogs(level="WARNING") as logs:
+      params, _, _ = checkpoint.load_checkpoint(self.path)
+    self.assertIn("unreadable", logs.output[0])
+    self.assertEqual(jax.tree.structure(params),
+                     jax.tree.structure(testing.random_params(self.cfg, seed=0)))
+    gguf_file = self.gguf_file
+    gguf_file.save(testing.random_params(self.cfg, seed=1), self.cfg, self.path,
+                   tensor_type="Q8_0")   # rewritten: another size or mtime, another entry
+    os.utime(self.path, ns=(1, 1))
+    changed, _, _ = checkpoint.load_checkpoint(self.path)
+    self.assertEqual(len(os.listdir(os.environ["PAGED_JAX_GGUF_CACHE"])), 2)
+    self.assertFalse(np.array_equal(jax_leaves(changed)[0], jax_leaves(params)[0]))
+
+  def test_off(self):
+    os.environ["PAGED_JAX_GGUF_CACHE"] = ""
+    checkpoint.load_checkpoint(self.path)
+    self.assertFalse(os.path.exists(os.path.join(self.dir, "cache")))
+
+
 def jax_leaves(tree):
   import jax
   return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]

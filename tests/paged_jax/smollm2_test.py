@@ -17,6 +17,7 @@ import importlib.util
 import os
 
 from absl.testing import absltest
+import jax
 import numpy as np
 import pytest
 
@@ -84,6 +85,7 @@ class SmolLM2Test(absltest.TestCase):
     if PATH is None or torch is None:
       raise AssertionError(f"PAGED_JAX_REQUIRE_TORCH=1 but {WHY}")
     cls.params, cls.cfg, cls.tok = checkpoint.load_checkpoint(PATH)
+    cls.cached = checkpoint.load_checkpoint(PATH)   # again: from the converted-model cache
     cls.chat = chat.Chat(PATH, cls.tok, checkpoint.load_eos_token_ids(PATH))
     directory = os.path.dirname(PATH)
     cls.hf_tok = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=FILE)
@@ -98,15 +100,20 @@ class SmolLM2Test(absltest.TestCase):
     self.assertEqual(self.cfg.rope_theta, 100_000.0)
     self.assertEqual(checkpoint.load_eos_token_ids(PATH), (2,))
     self.assertEqual(self.chat.end_of_turn_ids, (2,))   # <|im_end|> is EOS here
+    params, cfg, _ = self.cached   # the cache's copy: the same config and the same weights
+    self.assertEqual(cfg, self.cfg)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(self.params)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
   def test_tokenization_matches_transformers(self):
     texts = strings()
     self.assertEqual(len(set(texts)), len(texts))
-    for s in texts:
-      ours = self.tok.encode(s, add_special_tokens=False).ids
-      self.assertEqual(ours, self.hf_tok.encode(s, add_special_tokens=False), repr(s))
-      self.assertEqual(self.tok.decode(ours, skip_special_tokens=False),
-                       self.hf_tok.decode(ours, skip_special_tokens=False), repr(s))
+    for tok in (self.tok, self.cached[2]):   # built from the file, and read from the cache
+      for s in texts:
+        ours = tok.encode(s, add_special_tokens=False).ids
+        self.assertEqual(ours, self.hf_tok.encode(s, add_special_tokens=False), repr(s))
+        self.assertEqual(tok.decode(ours, skip_special_tokens=False),
+                         self.hf_tok.decode(ours, skip_special_tokens=False), repr(s))
 
   def test_chat_template_renders_as_transformers(self):
     conversations = [[{"role": "user", "content": q}] for q in QUESTIONS[:3]] + [

@@ -1,0 +1,103 @@
+"""Compiled step programs kept on disk, so that a restarted engine neither traces nor compiles.
+
+JAX's persistent compilation cache (`config.enable_compilation_cache`) skips XLA's compile on a
+restart, but every program is still traced and lowered before the cache is consulted: ~0.6 s a
+program for SmolLM2-135M's scanned layers on this CPU, 37 of them for one user's programs. This
+store keeps the compiled executable itself (`jax.experimental.serialize_executable`): a restart
+loads it in ~0.1 s, donation and calling convention included, and calls it directly.
+
+A program's file is named by its `batching.ProgramKey` and by everything else that decides what
+was compiled (`engine_identity`): the model config, the attention path, the tree, shapes and
+dtypes of the params and the pool, the JAX / jaxlib versions and the device. A file that cannot
+be read (another jaxlib's format, a truncated write) is compiled again and rewritten.
+
+Loading an executable runs code it contains: keep the store in a directory only you write.
+Host side; one device (a mesh's sharded executables are not stored).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import tempfile
+
+from absl import logging
+import jax
+
+DEFAULT_PROGRAM_STORE = os.path.join(os.path.expanduser("~"), ".cache", "paged_jax", "programs")
+_FORMAT = 1   # in every file name: bump when what a stored program assumes changes
+
+# An executable that JAX's persistent compilation cache supplied serializes without the
+# functions XLA:CPU compiled for it (loading it back fails at its first call: "Function
+# iota_slice_fusion not found"; jax 0.10.2). Such a compile is not stored: `cache_hits` counts
+# the persistent cache's hits (JAX's monitoring event), and the engine compares it around each
+# compile it means to store.
+_hits = [0]
+
+
+def _on_event(event, **_):
+  if event == "/jax/compilation_cache/cache_hits":
+    _hits[0] += 1
+
+
+jax.monitoring.register_event_listener(_on_event)
+
+
+def cache_hits() -> int:
+  """Hits of JAX's persistent compilation cache in this process so far."""
+  return _hits[0]
+
+
+def engine_identity(cfg, impl: str, params, pool) -> str:
+  """A digest of what, besides the program key, decides an engine's compiled programs."""
+  import jaxlib
+  device = jax.devices()[0]
+  avals = [(jax.tree_util.keystr(p), x.shape, str(x.dtype))
+           for p, x in jax.tree_util.tree_flatten_with_path((params, pool))[0]]
+  ident = repr((_FORMAT, cfg, impl, jax.__version__, jaxlib.__version__, device.platform,
+                device.device_kind, str(jax.tree_util.tree_structure((params, pool))), avals))
+  return hashlib.sha1(ident.encode()).hexdigest()[:16]
+
+
+class ProgramStore:
+  """Serialized `jax.stages.Compiled` step programs in one directory."""
+
+  def __init__(self, directory: str):
+    self.directory = directory
+
+  def path(self, identity: str, key) -> str:
+    digest = hashlib.sha1(repr(tuple(key)).encode()).hexdigest()[:16]
+    return os.path.join(self.directory, f"{identity}-{key.kind}-{digest}.jaxexe")
+
+  def load(self, path: str):
+    """The compiled program in `path`, or None if it is absent or unreadable."""
+    if not os.path.exists(path):
+      return None
+    from jax.experimental import serialize_executable
+    try:
+      with open(path, "rb") as f:
+        payload, in_tree, out_tree = pickle.load(f)
+      return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+    except Exception as e:   # noqa: BLE001 - an unreadable program is compiled again
+      logging.warning("program store: cannot load %s (%s: %s); compiling it again", path,
+                      type(e).__name__, e)
+      return None
+
+  def save(self, path: str, compiled) -> None:
+    """Writes `compiled` to `path` (atomically); a failure (a full disk, a backend that cannot
+    serialize) only logs."""
+    from jax.experimental import serialize_executable
+    try:
+      blob = pickle.dumps(serialize_executable.serialize(compiled))
+      os.makedirs(self.directory, exist_ok=True)
+      fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")
+      try:
+        with os.fdopen(fd, "wb") as f:
+          f.write(blob)
+        os.replace(tmp, path)
+      finally:
+        if os.path.exists(tmp):
+          os.unlink(tmp)
+    except Exception as e:   # noqa: BLE001 - serving goes on without the stored copy
+      logging.warning("program store: cannot save %s (%s: %s)", path, type(e).__name__, e)
