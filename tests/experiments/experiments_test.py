@@ -415,6 +415,32 @@ class ExperimentsTest(absltest.TestCase):
       decode_round_bench.run(decode_round_bench.RoundConfig(prompt_tokens=20, steps_per_sync=2,
                                                             rows=(0,), rounds=1))
 
+  def test_program_count_on_a_models_shapes(self):
+    # Host side only: the XLA path runs one table width, the model's context (128 positions
+    # of page 16: 8 columns, which the kernel's buckets also reach here, so both count alike).
+    from experiments import program_count
+    from paged_jax import embedded
+    xla, kernel = program_count.shapes_run(embedded.EMBEDDED_MODEL_DIR, num_requests=12)
+    self.assertEqual(xla["widths"], [8])
+    self.assertGreater(xla["programs"], 2)
+    self.assertLessEqual(xla["programs"], xla["reachable"])
+    self.assertEqual((xla["programs"], xla["reachable"]), (kernel["programs"],
+                                                           kernel["reachable"]))
+
+  @pytest.mark.slow   # two fresh processes (imports, compiles): ~12 s
+  def test_restart_bench(self):
+    # The first process compiles its two programs and stores them; the second loads them and
+    # compiles nothing, and reaches its first token sooner after the engine starts.
+    from experiments import restart_bench
+    cold, warm = restart_bench.run(restart_bench.RestartConfig(runs=2, results_dir=None),
+                                   progress=lambda _: None)
+    self.assertEqual((cold["programs_compiled"], cold["programs_loaded"]), (2, 0))
+    self.assertEqual((warm["programs_compiled"], warm["programs_loaded"]), (0, 2))
+    self.assertLess(warm["first_token_after_engine_s"], cold["first_token_after_engine_s"])
+    for row in (cold, warm):
+      self.assertLess(row["import_s"], row["first_token_s"])
+      self.assertLessEqual(row["first_token_s"], row["total_s"])
+
   def test_depth_compile(self):
     r = depth_compile.run(depth_compile.DepthConfig(
         num_layers=(2, 4), hidden_size=32, intermediate_size=64, num_q_heads=4, num_kv_heads=2,
