@@ -150,8 +150,9 @@ class Engine(EngineLoop):
       on XLA:CPU; `experiments.layer_loop_bench`). Not yet with a mesh.
     program_store: a directory of compiled step programs (`paged_jax.program_store`): a
       program the engine needs is loaded from it (no trace, no compile) or compiled and kept
-      there, so a restarted engine starts in a fraction of a second a program. None: off (each
-      program is traced and compiled by jit on first use). Not with a mesh.
+      there, so a restarted engine loads each program (~0.1-0.2 s for SmolLM2's scanned
+      layers) instead of tracing and compiling it. None: off (each program is traced and
+      compiled by jit on first use). Not with a mesh.
   """
 
   def __init__(self, params, cfg: ModelConfig, *, cache: CacheConfig = CacheConfig(),

@@ -1,7 +1,10 @@
 """Suite-wide settings.
 
 - Two tiers. Tests marked `slow` (system tests: 8 simulated devices, multi-host, the soak, the
-  notebooks, the experiments' end-to-end runs of over ~12 s here) are left out by default
+  notebooks, the experiments' end-to-end runs of over ~10 s here on a usual day, the suite's
+  own checks that run pytest in subprocesses, the scan against the unrolled decoder beyond
+  Llama's; a slow day here runs ~2x longer, and the README tier must still fit its 10 minutes
+  and every test its 20 s) are left out by default
   (setup.cfg's `-m "not slow"`), so the README's test command runs every other check;
   `.ci/run` then runs `pytest -m slow`.
 - A compilation cache across runs, for a developer's loop: PAGED_JAX_TEST_COMPILE_CACHE=DIR

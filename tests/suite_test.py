@@ -10,6 +10,7 @@ import sys
 import tempfile
 
 from absl.testing import absltest, parameterized
+import pytest
 
 from experiments import test_durations
 
@@ -36,6 +37,8 @@ def test_busy_but_slow():
 '''
 
 
+# Each test runs pytest in subprocesses (~43 s together): the slow tier, which CI also runs.
+@pytest.mark.slow
 class SuiteTest(parameterized.TestCase):
 
   def _pytest(self, *args, **env):

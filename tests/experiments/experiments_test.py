@@ -207,6 +207,7 @@ class ExperimentsTest(absltest.TestCase):
     self.assertEqual(r["decode_rounds"], 2)   # 5 decode tokens at 4 per sync
     self.assertTrue(0 < r["host_share_of_decode"] < 1)
 
+  @pytest.mark.slow   # ~10-14 s on a usual day, over 20 s on a slow one (the README tier's bound)
   def test_embedded_copy_model_is_accurate_with_paged_decoding(self):
     # Small pages and a small pool: sequences cross many page boundaries and get preempted; a
     # paging bug would show up as wrong letters.
@@ -334,6 +335,7 @@ class ExperimentsTest(absltest.TestCase):
                      {"identical": 1, "of": 2, "mean_prefix_share": (2 / 3 + 1) / 2})
     self.assertIn("greedy answers identical", dtype_bench.format_result(r))
 
+  @pytest.mark.slow   # ~10-14 s on a usual day, over 20 s on a slow one (the README tier's bound)
   def test_serve_bench_skips_vllm_it_cannot_install(self):
     # A venv path that cannot be created: the vllm row says why and is skipped, the rest runs.
     cfg = serve_bench.BenchConfig(preset="tiny", vocab_size=64, num_requests=2, min_prompt=4,
@@ -363,6 +365,7 @@ class ExperimentsTest(absltest.TestCase):
     self.assertGreater(r["engines"]["paged_jax"]["x_vllm"], 0)
     self.assertIn("paged_jax / vllm", serve_bench.format_result(r))
 
+  @pytest.mark.slow   # ~10-14 s on a usual day, over 20 s on a slow one (the README tier's bound)
   def test_latency_bench_paged_jax(self):
     # Poisson arrivals at two rates through the serve command's synthetic workload.
     r = latency_bench.run(latency_bench.LatencyConfig(
@@ -441,6 +444,7 @@ class ExperimentsTest(absltest.TestCase):
       self.assertLess(row["import_s"], row["first_token_s"])
       self.assertLessEqual(row["first_token_s"], row["total_s"])
 
+  @pytest.mark.slow   # ~10-14 s on a usual day, over 20 s on a slow one (the README tier's bound)
   def test_depth_compile(self):
     r = depth_compile.run(depth_compile.DepthConfig(
         num_layers=(2, 4), hidden_size=32, intermediate_size=64, num_q_heads=4, num_kv_heads=2,
@@ -538,6 +542,7 @@ class ExperimentsTest(absltest.TestCase):
     self.assertLen(r["notes"], 3)
     self.assertTrue(os.path.getsize(os.path.join(out, "fragmentation.png")) > 0)
 
+  @pytest.mark.slow   # ~10-14 s on a usual day, over 20 s on a slow one (the README tier's bound)
   def test_pool_map_draws_the_pool(self):
     import tempfile
     out = tempfile.mkdtemp()
@@ -581,6 +586,7 @@ class ExperimentsTest(absltest.TestCase):
     self.assertLessEqual(large["attention_max_abs_err"], 1e-5)
     self.assertGreater(os.path.getsize(r["png"]), 0)
 
+  @pytest.mark.slow   # ~10-14 s on a usual day, over 20 s on a slow one (the README tier's bound)
   def test_ondevice_bench(self):
     r = ondevice_bench.run(ondevice_bench.OnDeviceBenchConfig(
         preset="tiny", num_requests=4, new_tokens=8, repetitions=1, results=None),

@@ -298,29 +298,32 @@ class WarmupTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "scope='most' is not"):
       e.warmup("most")
 
-  def test_a_restart_loads_its_programs_from_the_store(self):
-    # The first engine compiles what it meets and stores it; a second one (a restarted
-    # process) loads those programs without tracing or compiling anything and gives the same
-    # tokens; a damaged file is compiled again. Warmup from the store loads, too.
-    import jax
-    import os
+  def _store_engines(self, num_layers):
+    # A model of its own per test: XLA:CPU cannot serialize an executable that has already run
+    # (a sort's `LessThan`), which jit hands back for a program this process compiled before.
     import tempfile
     store = tempfile.mkdtemp()
+    cfg = config.tiny_config(num_layers=num_layers)
+    params = testing.random_params(cfg, seed=num_layers, scale=0.3)
+    sched = SchedulerConfig(steps_per_sync=3, max_num_seqs=1, max_num_batched_tokens=64)
+    new = lambda: Engine(params, cfg, cache=CacheConfig(page_size=4, num_pages=40),
+                         scheduler=sched, impl="xla", program_store=store)
+    return store, new, testing.DenseGreedy(params, cfg)
+
+  def test_a_restart_loads_its_programs_from_the_store(self):
+    # The first engine compiles what it meets and stores it; a second one (a restarted
+    # process) loads those programs, traces and compiles nothing, and gives the same tokens.
+    import jax
+    import os
+    store, new, ref = self._store_engines(3)
     events = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda name, secs, **_: events.append(name) if watching else None)
     watching = False
     prompt, sp = [5, 6, 7, 8, 9, 10], SamplingParams(max_tokens=7)
-    sched = SchedulerConfig(steps_per_sync=3, max_num_seqs=1, max_num_batched_tokens=64)
-    # A model of its own: XLA:CPU cannot serialize an executable that has already run (a sort's
-    # `LessThan`), which jit hands back for a program this process compiled before.
-    cfg = config.tiny_config(num_layers=3)
-    params = testing.random_params(cfg, seed=4, scale=0.3)
-    new = lambda: Engine(params, cfg, cache=CacheConfig(page_size=4, num_pages=40),
-                         scheduler=sched, impl="xla", program_store=store)
     first = new()
     want = first.generate([prompt], sp)[0].outputs[0].token_ids
-    self.assertEqual(want, testing.dense_greedy(params, cfg, prompt, 7))
+    self.assertEqual(want, ref(prompt, 7))
     m = first.metrics()
     self.assertEqual((m["programs_compiled"], m["programs_loaded"]), (2, 0))
     self.assertLen(os.listdir(store), 2)
@@ -331,18 +334,26 @@ class WarmupTest(absltest.TestCase):
     m = second.metrics()
     self.assertEqual((m["programs_compiled"], m["programs_loaded"]), (0, 2))
     self.assertEqual([n for n in events if "compile" in n or "trace" in n], [])
-    report = new().warmup("one_user")   # one user, 64 tokens: a prefill, a round, a step
-    self.assertEqual((report["loaded"], report["compiled"]), (2, 1))
+    with self.assertRaisesRegex(ValueError, "program_store with a mesh"):
+      Engine(PARAMS, CFG, program_store=store, mesh=object())
+
+  def test_warmup_stores_and_loads_and_a_damaged_program_is_compiled_again(self):
+    import os
+    store, new, ref = self._store_engines(4)
+    # one user, a 64-token budget: a prefill bucket, a one-row round, a one-row decode step
+    self.assertEqual(new().warmup("one_user")["compiled"], 3)
+    report = new().warmup("one_user")
+    self.assertEqual((report["loaded"], report["compiled"]), (3, 0))
     for name in os.listdir(store):
       with open(os.path.join(store, name), "wb") as f:
         f.write(b"damaged")
-    third = new()
+    engine = new()
+    prompt = [9, 8, 7, 6]
     with self.assertLogs(level="WARNING") as logs:
-      self.assertEqual(third.generate([prompt], sp)[0].outputs[0].token_ids, want)
+      out = engine.generate([prompt], SamplingParams(max_tokens=5))
+    self.assertEqual(out[0].outputs[0].token_ids, ref(prompt, 5))
     self.assertIn("cannot load", logs.output[0])
-    self.assertEqual(third.metrics()["programs_compiled"], 2)
-    with self.assertRaisesRegex(ValueError, "program_store with a mesh"):
-      Engine(PARAMS, CFG, program_store=store, mesh=object())
+    self.assertEqual(engine.metrics()["programs_compiled"], 2)
 
   def test_a_program_from_the_persistent_cache_is_not_stored(self):
     # XLA:CPU serializes an executable JAX's persistent cache supplied without its compiled

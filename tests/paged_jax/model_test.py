@@ -161,21 +161,6 @@ class ScannedLayersTest(parameterized.TestCase):
   def test_logits_and_pool_equal_the_unrolled_decoder(self, program):
     _scan_equals_unrolled(SCAN_CASES["llama"], program)
 
-  def test_engine_greedy_under_preemption(self):
-    # Llama's one scan run (every family's body is pinned bit for bit: _scan_equals_unrolled).
-    cfg = config.tiny_config(**SCAN_CASES["llama"])
-    params = testing.random_params(cfg, seed=3, scale=0.3)
-    prompts, new = PROMPTS, 6
-    engine = Engine(params, cfg, cache=CacheConfig(page_size=2, num_pages=14), impl="xla",
-                    scheduler=SchedulerConfig(steps_per_sync=2), scan_layers=True)
-    self.assertTrue(model.is_stacked(engine.params))
-    outs = engine.generate(prompts, SamplingParams(max_tokens=new, ignore_eos=True))
-    self.assertGreater(engine.stats.preemptions, 0)
-    self.assertEqual([o.outputs[0].token_ids for o in outs],
-                     [testing.dense_greedy(params, cfg, p, new) for p in prompts])
-    with self.assertRaisesRegex(ValueError, "scan_layers=True with a mesh"):
-      Engine(params, cfg, scan_layers=True, mesh=object())
-
   def test_program_size_does_not_grow_with_depth(self):
     # The compiled decode round of 3 and of 12 layers: unrolled it grows ~4x, scanned it does not.
     sizes = {}
@@ -217,10 +202,27 @@ def _scan_equals_unrolled(overrides, program):
   chex.assert_trees_all_equal(out["scan"], out["unrolled"])
 
 
-# The other families' layer groups (windows on some layers, Gemma's alternating bodies): in the
-# slow tier, which CI also runs (their deeper unrolled programs cost 60-70 s to compile).
+# The other families' layer groups (windows on some layers, Gemma's alternating bodies) and the
+# engine on stacked params: the slow tier, which CI also runs (their deeper unrolled programs
+# cost 60-70 s to compile; the engine run 15-25 s).
 @pytest.mark.slow
 class ScannedFamiliesTest(parameterized.TestCase):
+
+  def test_engine_greedy_under_preemption(self):
+    # The engine on stacked params (every family's body is pinned bit for bit against the
+    # unrolled decoder: _scan_equals_unrolled; SmolLM2's scan against transformers: smollm2_test).
+    cfg = config.tiny_config(**SCAN_CASES["llama"])
+    params = testing.random_params(cfg, seed=3, scale=0.3)
+    prompts, new = PROMPTS, 6
+    engine = Engine(params, cfg, cache=CacheConfig(page_size=2, num_pages=14), impl="xla",
+                    scheduler=SchedulerConfig(steps_per_sync=2), scan_layers=True)
+    self.assertTrue(model.is_stacked(engine.params))
+    outs = engine.generate(prompts, SamplingParams(max_tokens=new, ignore_eos=True))
+    self.assertGreater(engine.stats.preemptions, 0)
+    self.assertEqual([o.outputs[0].token_ids for o in outs],
+                     [testing.dense_greedy(params, cfg, p, new) for p in prompts])
+    with self.assertRaisesRegex(ValueError, "scan_layers=True with a mesh"):
+      Engine(params, cfg, scan_layers=True, mesh=object())
 
   @parameterized.named_parameters(
       (f"{name}_{program}", SCAN_CASES[name], program)

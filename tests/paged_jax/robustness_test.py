@@ -98,6 +98,7 @@ class FaultTest(parameterized.TestCase):
     out, = e.generate([PROMPTS[1]], SamplingParams(max_tokens=6))
     self.assertEqual(out.outputs[0].token_ids, dense(PROMPTS[1], 6))
 
+  @pytest.mark.slow   # ~12 s on a usual day, 24 s on a slow one (the 20 s check)
   def test_a_fault_while_swapping_out(self):
     real = page_ops.read_pages
     calls = []
