@@ -51,6 +51,7 @@ class SuiteTest(parameterized.TestCase):
       fh.write('[tool:pytest]\npython_files = *_test.py\naddopts = -p no:cacheprovider '
                '-m "not slow"\n')
     base = {k: v for k, v in os.environ.items() if not k.startswith(("PAGED_JAX_", "JAX_"))}
+    base["PAGED_JAX_DURATION_SCALE"] = "1"   # the bound as given, whatever the machine's day
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", *args], cwd=tmp,
                           env=dict(base, **env), capture_output=True, text=True, timeout=300)
     return proc, tmp
@@ -72,6 +73,9 @@ class SuiteTest(parameterized.TestCase):
     self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
     self.assertIn("1 passed, 2 deselected", proc.stdout)
     proc, _ = self._pytest(PAGED_JAX_MAX_TEST_SECONDS="0")
+    self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
+    # a machine 1,000x slower than usual stretches the 0.5 s bound past the busy test
+    proc, _ = self._pytest(PAGED_JAX_MAX_TEST_SECONDS="0.5", PAGED_JAX_DURATION_SCALE="1000")
     self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
     self.assertNotIn("duration check", proc.stdout)
 

@@ -339,7 +339,7 @@ class WarmupTest(absltest.TestCase):
 
   def test_warmup_stores_and_loads_and_a_damaged_program_is_compiled_again(self):
     import os
-    store, new, ref = self._store_engines(4)
+    store, new, ref = self._store_engines(1)
     # one user, a 64-token budget: a prefill bucket, a one-row round, a one-row decode step
     self.assertEqual(new().warmup("one_user")["compiled"], 3)
     report = new().warmup("one_user")
