@@ -162,6 +162,11 @@ class DataParallelEngine(EngineLoop):
     out["replicas"] = per
     return out
 
+  def gauges(self) -> dict[str, int]:
+    """`Engine.gauges` summed over the replicas."""
+    per = [e.gauges() for e in self.replicas]
+    return {k: sum(g[k] for g in per) for k in per[0]}
+
   def check_invariants(self) -> None:
     for e in self.replicas:
       e.check_invariants()

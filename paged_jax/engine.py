@@ -682,6 +682,21 @@ class Engine(EngineLoop):
             "num_pages": self.num_pages, "page_size": self.page_size}
 
 
+  def gauges(self) -> dict[str, int]:
+    """What a server reports after every step, cheap to read (no walk over the pool): requests
+    waiting / running / swapped out, pages referenced by a sequence, cached-idle and usable,
+    requests whose pages are held in host memory (swap copies), and the prefix cache's
+    queried and hit prompt tokens."""
+    s, bm = self.scheduler, self.bm
+    idle = bm.num_cached_idle_pages
+    return {"waiting": len(s.waiting), "running": len(s.running), "swapped": len(s.swapped),
+            "pages_in_use": self.num_pages - 1 - bm.num_free_pages,
+            "pages_cached_idle": idle, "pages_usable": self.num_pages - 1,
+            "swap_copies": len(self._swap),
+            "prefix_queries_tokens": bm.prefix_queries_tokens,
+            "prefix_hits_tokens": bm.prefix_hits_tokens, "preemptions": self.stats.preemptions}
+
+
 def _token_ids(ids: Iterable[int], vocab_size: int, what: str) -> list[int]:
   out = []
   for t in ids:

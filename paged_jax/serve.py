@@ -375,27 +375,34 @@ def report(r: dict) -> str:
   return "\n".join(lines)
 
 
+ENGINE_FIELDS = ("page_size", "num_pages", "kv_cache_bytes", "kv_cache_fraction", "max_num_seqs",
+                 "max_num_batched_tokens", "steps_per_sync", "preemption_mode", "reservation",
+                 "enable_prefix_caching", "impl", "dtype", "seed", "warmup", "validate_tables",
+                 "scrub_freed_pages", "mesh", "scan_layers")
+
+
+def config_from_flags(f, **fields) -> ServeConfig:
+  """A ServeConfig with `define_engine_flags`' values from `f` (absl's FLAGS), then `fields`.
+
+  With a program store on one device the store keeps the step programs and JAX's persistent
+  cache stays off (an executable it supplies cannot be stored: program_store._hits); otherwise
+  the persistent cache is switched on here."""
+  if not f.program_store or int(np.prod(sharding.parse_mesh(f.mesh))) > 1:
+    enable_compilation_cache(f.compilation_cache)
+  engine = {name: getattr(f, name) for name in ENGINE_FIELDS}
+  return ServeConfig(model_dir=f.model, program_store=f.program_store or None,
+                     **{**engine, **fields})
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError("Too many command-line arguments.")
   f = flags.FLAGS
-  # One device with a program store: the store keeps the step programs, and JAX's cache stays
-  # off (an executable it supplies cannot be stored: program_store._hits).
-  if not f.program_store or int(np.prod(sharding.parse_mesh(f.mesh))) > 1:
-    enable_compilation_cache(f.compilation_cache)
-  cfg = ServeConfig(
-      model_dir=f.model, prompts=tuple(f.prompt or ()), prompts_file=f.prompts_file,
+  cfg = config_from_flags(
+      f, prompts=tuple(f.prompt or ()), prompts_file=f.prompts_file,
       workload=f.workload, num_requests=f.num_requests, request_rate=f.request_rate,
       max_tokens=f.max_tokens, temperature=f.temperature, top_k=f.top_k, top_p=f.top_p, n=f.n,
-      beam_width=f.beam_width, ignore_eos=f.ignore_eos, page_size=f.page_size,
-      num_pages=f.num_pages, kv_cache_bytes=f.kv_cache_bytes,
-      kv_cache_fraction=f.kv_cache_fraction, max_num_seqs=f.max_num_seqs,
-      max_num_batched_tokens=f.max_num_batched_tokens, steps_per_sync=f.steps_per_sync,
-      preemption_mode=f.preemption_mode, reservation=f.reservation,
-      enable_prefix_caching=f.enable_prefix_caching,
-      impl=f.impl, dtype=f.dtype, seed=f.seed, warmup=f.warmup, progress=f.progress,
-      validate_tables=f.validate_tables, scrub_freed_pages=f.scrub_freed_pages, mesh=f.mesh,
-      scan_layers=f.scan_layers, program_store=f.program_store or None, chat=f.chat,
+      beam_width=f.beam_width, ignore_eos=f.ignore_eos, progress=f.progress, chat=f.chat,
       stream=f.stream)
   sharding.ensure_host_devices(cfg.mesh)
   r = run(cfg)
@@ -406,26 +413,10 @@ def main(argv):
       json.dump(r, out, indent=1)
 
 
-def define_flags():
+def define_engine_flags():
+  """The flags that build the model and the engine (shared with `paged_jax.server`)."""
   flags.DEFINE_string("model", None, "A Hugging Face-format checkpoint directory or a GGUF file "
                       "(default: the embedded model).")
-  flags.DEFINE_bool("chat", False, "Each --prompt is a user turn, rendered with the checkpoint's "
-                    "chat template; completions stop at its end of turn.")
-  flags.DEFINE_bool("stream", False, "Print the text as it is generated.")
-  flags.DEFINE_multi_string("prompt", None, "A text prompt (repeat for more).")
-  flags.DEFINE_string("prompts_file", None, "JSONL of requests (prompt or prompt_token_ids, ...).")
-  flags.DEFINE_enum("workload", "sharegpt", list(workloads.WORKLOADS),
-                    "Synthetic workload when no prompts are given.")
-  flags.DEFINE_integer("num_requests", 64, "Synthetic requests.")
-  flags.DEFINE_float("request_rate", math.inf, "Poisson arrivals per second (inf: all at once).")
-  flags.DEFINE_integer("max_tokens", None, "Tokens per completion (default: the workload's "
-                       "lengths; 64 or what max_position leaves for given prompts).")
-  flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
-  flags.DEFINE_integer("top_k", 0, "0 = off.")
-  flags.DEFINE_float("top_p", 1.0, "1 = off.")
-  flags.DEFINE_integer("n", 1, "Completions per request (parallel sampling, shared pages).")
-  flags.DEFINE_integer("beam_width", 1, "> 1: beam search.")
-  flags.DEFINE_bool("ignore_eos", None, "Do not stop at EOS (default: on for synthetic workloads).")
   flags.DEFINE_integer("page_size", 16, "Tokens per page.")
   flags.DEFINE_integer("num_pages", None, "Pages in the pool (default: from the memory budget).")
   flags.DEFINE_integer("kv_cache_bytes", None, "KV budget in bytes (CPU default 256 MiB).")
@@ -446,11 +437,9 @@ def define_flags():
                     "and every decode program), all (every program the limits can hit; "
                     "thousands at the default limits), workload (run the workload once on a "
                     "throwaway engine: exactly its programs, for benchmarks); off.")
-  flags.DEFINE_bool("progress", True, "Show a progress bar.")
   flags.DEFINE_bool("validate_tables", False, "Check every step's block tables and write slots "
                     "against the block manager before the device runs it (its cost is reported).")
   flags.DEFINE_bool("scrub_freed_pages", False, "Zero pages as they are freed.")
-  flags.DEFINE_string("json", None, "Write the summary as JSON here.")
   flags.DEFINE_string("mesh", "1x1", "DATAxMODEL devices: MODEL-way tensor parallel over heads, "
                       "DATA engine replicas (on the CPU, that many simulated devices).")
   flags.DEFINE_bool("scan_layers", False, "Run the layers as a lax.scan over stacked weights: "
@@ -462,6 +451,29 @@ def define_flags():
   flags.DEFINE_string("compilation_cache", DEFAULT_COMPILATION_CACHE,
                       "Directory for JAX's persistent compilation cache, reused by later runs "
                       "('' = off); used only with --program_store=''.")
+
+
+def define_flags():
+  define_engine_flags()
+  flags.DEFINE_bool("chat", False, "Each --prompt is a user turn, rendered with the checkpoint's "
+                    "chat template; completions stop at its end of turn.")
+  flags.DEFINE_bool("stream", False, "Print the text as it is generated.")
+  flags.DEFINE_multi_string("prompt", None, "A text prompt (repeat for more).")
+  flags.DEFINE_string("prompts_file", None, "JSONL of requests (prompt or prompt_token_ids, ...).")
+  flags.DEFINE_enum("workload", "sharegpt", list(workloads.WORKLOADS),
+                    "Synthetic workload when no prompts are given.")
+  flags.DEFINE_integer("num_requests", 64, "Synthetic requests.")
+  flags.DEFINE_float("request_rate", math.inf, "Poisson arrivals per second (inf: all at once).")
+  flags.DEFINE_integer("max_tokens", None, "Tokens per completion (default: the workload's "
+                       "lengths; 64 or what max_position leaves for given prompts).")
+  flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
+  flags.DEFINE_integer("top_k", 0, "0 = off.")
+  flags.DEFINE_float("top_p", 1.0, "1 = off.")
+  flags.DEFINE_integer("n", 1, "Completions per request (parallel sampling, shared pages).")
+  flags.DEFINE_integer("beam_width", 1, "> 1: beam search.")
+  flags.DEFINE_bool("ignore_eos", None, "Do not stop at EOS (default: on for synthetic workloads).")
+  flags.DEFINE_bool("progress", True, "Show a progress bar.")
+  flags.DEFINE_string("json", None, "Write the summary as JSON here.")
 
 
 if __name__ == "__main__":

@@ -156,6 +156,11 @@ class BlockManager:
     """Pages an allocation can take now: free plus cached-idle (evictable)."""
     return len(self._free) + len(self._idle)
 
+  @property
+  def num_cached_idle_pages(self) -> int:
+    """Pages no sequence references that the prefix cache keeps (evictable)."""
+    return len(self._idle)
+
   def block_table(self, seq_id) -> tuple[int, ...]:
     return tuple(self._get(seq_id).block_table)
 
