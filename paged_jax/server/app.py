@@ -283,6 +283,7 @@ def create_app(served: Served) -> fastapi.FastAPI:
 
   @app.get("/metrics")
   async def metrics():
+    served.runner.metrics.asyncio_tasks.set(len(asyncio.all_tasks()))   # a leak shows here
     return responses.Response(served.runner.metrics.render(),
                               media_type="text/plain; version=0.0.4; charset=utf-8")
 

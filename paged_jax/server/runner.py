@@ -65,6 +65,8 @@ class Metrics:
     self.prefix_hit_rate = g("prefix_cache_hit_rate", "Prompt tokens served by the prefix "
                              "cache / prompt tokens looked up, since the start (0-1).")
     self.open_requests = g("num_open_requests", "Engine requests the server is still serving.")
+    self.asyncio_tasks = g("server_asyncio_tasks", "asyncio tasks in the server's event loop "
+                           "(request handlers, streams), counted at this scrape.")
     self.prompt_tokens = c("prompt_tokens", "Prompt tokens of finished requests.")
     self.generation_tokens = c("generation_tokens", "Tokens generated.")
     self.preemptions = c("num_preemptions", "Preemptions (swap or recompute).")
