@@ -42,6 +42,8 @@ from paged_jax.host.sequence import (CompletionOutput, FinishReason, RequestOutp
 from paged_jax.sampling import SamplingParams
 from paged_jax.state import NULL_PAGE, AttentionMetadata, KVPool
 
+DECODE_CONTEXT = 5   # prompt tokens a completion's text is decoded after (vLLM's offset: 5)
+
 
 class StepFunctions(NamedTuple):
   """The device steps the engine calls; tests swap in fakes (no model) with the same signature."""
@@ -633,7 +635,7 @@ class Engine(EngineLoop):
       g.num_reported[seq.seq_id] = len(tokens)
       text = new_text = None
       if self.tokenizer is not None:   # EOS stays in token_ids, not in the text
-        text = self.tokenizer.decode([t for t in tokens if t not in g.eos_token_ids])
+        text = self._continuation(g, [t for t in tokens if t not in g.eos_token_ids])
         before = g.text_reported.get(seq.seq_id, "")
         new_text = text[len(before):] if text.startswith(before) else text
         g.text_reported[seq.seq_id] = text
@@ -653,6 +655,22 @@ class Engine(EngineLoop):
     return RequestOutput(g.request_id, list(g.prompt), completions, g.is_finished,
                          g.arrival_time, ttft, tpot, g.finish_time,
                          num_cached_tokens=g.num_cached_tokens, error=error)
+
+  def _continuation(self, g: SequenceGroup, tokens: list[int]) -> str:
+    """The text `tokens` add after g's prompt, decoded in the context of the prompt's last
+    DECODE_CONTEXT tokens (as vLLM's detokenizer and transformers' text-generation pipeline do):
+    a decoder that joins words with spaces (WordPiece) or turns a leading "▁" into a space
+    (SentencePiece) gives the continuation its first space, so prompt + text reads as the
+    whole. Where the context's text is not a prefix of the joint text (a character split
+    across the boundary), the tokens alone."""
+    if not tokens:
+      return ""
+    if g.context_text is None:
+      g.context_text = self.tokenizer.decode(list(g.prompt[-DECODE_CONTEXT:]))
+    joint = self.tokenizer.decode(list(g.prompt[-DECODE_CONTEXT:]) + tokens)
+    if joint.startswith(g.context_text):
+      return joint[len(g.context_text):]
+    return self.tokenizer.decode(tokens)
 
   # ------------------------------------------------------------------------------ metrics
 
@@ -685,8 +703,9 @@ class Engine(EngineLoop):
   def gauges(self) -> dict[str, int]:
     """What a server reports after every step, cheap to read (no walk over the pool): requests
     waiting / running / swapped out, pages referenced by a sequence, cached-idle and usable,
-    requests whose pages are held in host memory (swap copies), and the prefix cache's
-    queried and hit prompt tokens."""
+    requests whose pages are held in host memory (swap copies), the prefix cache's queried
+    and hit prompt tokens, and the distinct step programs run so far (each compiled, or loaded
+    from the program store, the first time)."""
     s, bm = self.scheduler, self.bm
     idle = bm.num_cached_idle_pages
     return {"waiting": len(s.waiting), "running": len(s.running), "swapped": len(s.swapped),
@@ -694,7 +713,8 @@ class Engine(EngineLoop):
             "pages_cached_idle": idle, "pages_usable": self.num_pages - 1,
             "swap_copies": len(self._swap),
             "prefix_queries_tokens": bm.prefix_queries_tokens,
-            "prefix_hits_tokens": bm.prefix_hits_tokens, "preemptions": self.stats.preemptions}
+            "prefix_hits_tokens": bm.prefix_hits_tokens, "preemptions": self.stats.preemptions,
+            "programs": len(self.programs)}
 
 
 def _token_ids(ids: Iterable[int], vocab_size: int, what: str) -> list[int]:

@@ -116,6 +116,7 @@ class SequenceGroup:
   error: str | None = None
   num_reported: dict[int, int] = dataclasses.field(default_factory=dict)    # seq_id -> tokens
   text_reported: dict[int, str] = dataclasses.field(default_factory=dict)
+  context_text: str | None = None   # the prompt's last tokens as text (Engine._continuation)
 
   @property
   def max_seqs(self) -> int:

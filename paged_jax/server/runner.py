@@ -65,6 +65,8 @@ class Metrics:
     self.prefix_hit_rate = g("prefix_cache_hit_rate", "Prompt tokens served by the prefix "
                              "cache / prompt tokens looked up, since the start (0-1).")
     self.open_requests = g("num_open_requests", "Engine requests the server is still serving.")
+    self.programs = g("num_programs", "Distinct step programs run so far (each compiled, or "
+                      "loaded from the program store, on first use).")
     self.asyncio_tasks = g("server_asyncio_tasks", "asyncio tasks in the server's event loop "
                            "(request handlers, streams), counted at this scrape.")
     self.prompt_tokens = c("prompt_tokens", "Prompt tokens of finished requests.")
@@ -88,6 +90,7 @@ class Metrics:
     self.pages_usable.set(gauges["pages_usable"])
     self.kv_usage.set(gauges["pages_in_use"] / max(1, gauges["pages_usable"]))
     self.swap_copies.set(gauges["swap_copies"])
+    self.programs.set(gauges["programs"])
     self.prefix_hit_rate.set(gauges["prefix_hits_tokens"]
                              / max(1, gauges["prefix_queries_tokens"]))
     self.open_requests.set(open_requests)

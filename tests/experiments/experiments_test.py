@@ -324,7 +324,7 @@ class ExperimentsTest(absltest.TestCase):
     r = dtype_bench.run(tmp, questions=["h e l l o", "p a g e d", "k v"], max_tokens=12,
                         page_size=4, progress=lambda *_: None)
     f32, bf16 = r["dtypes"]["float32"], r["dtypes"]["bfloat16"]
-    self.assertEqual(f32["texts"], ["h e l l o", "p a g e d", "k v"])
+    self.assertEqual(f32["texts"], [" h e l l o", " p a g e d", " k v"])   # after <sep>
     self.assertLess(bf16["param_bytes"], 0.6 * f32["param_bytes"])   # bf16 halves them
     self.assertAlmostEqual(bf16["pool_bytes"] / f32["pool_bytes"], 0.5)
     self.assertEqual(r["agreement"]["of"], 3)

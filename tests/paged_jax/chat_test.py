@@ -97,9 +97,9 @@ class ServeChatTest(absltest.TestCase):
 
   def test_chat_prompts_go_through_the_template_and_stream(self):
     r, printed = self._run(prompts=("h e l l o",), chat=True, stream=True)
-    self.assertEqual(r["completions"][0]["text"], "h e l l o")
+    self.assertEqual(r["completions"][0]["text"], " h e l l o")   # after <sep>'s context
     self.assertEqual(r["completions"][0]["finish_reason"], "stop")   # at <eos>, the end of turn
-    self.assertEqual(printed, "h e l l o\n")   # the streamed pieces, then a newline
+    self.assertEqual(printed, " h e l l o\n")   # the streamed pieces, then a newline
     # the prompt was the template's: <bos> letters <sep> (7 tokens), not the plain encoding
     self.assertEqual(r["input_tokens"], 7)
 
@@ -110,7 +110,7 @@ class ServeChatTest(absltest.TestCase):
       f.write(json.dumps({"messages": [{"role": "user", "content": "k v"}], "n": 2,
                           "temperature": 0.0}) + "\n")
     r, printed = self._run(prompts_file=path, stream=True)
-    self.assertEqual([c["text"] for c in r["completions"]], ["p a g e", "k v", "k v"])
+    self.assertEqual([c["text"] for c in r["completions"]], [" p a g e", " k v", " k v"])
     self.assertIn("[0] ", printed)   # several requests: chunks tagged with their index
     with open(path, "a") as f:
       f.write(json.dumps({"messages": [{"role": "assistant", "content": "x"}]}) + "\n")

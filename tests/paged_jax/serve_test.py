@@ -18,7 +18,7 @@ class ServeTest(absltest.TestCase):
   def test_text_prompts_on_the_embedded_copy_model(self):
     r = serve.run(serve.ServeConfig(prompts=("h e l l o", "k v c a c h e"), page_size=4,
                                     num_pages=64, progress=False), MODEL)
-    self.assertEqual([c["text"] for c in r["completions"]], ["h e l l o", "k v c a c h e"])
+    self.assertEqual([c["text"] for c in r["completions"]], [" h e l l o", " k v c a c h e"])
     self.assertEqual([c["finish_reason"] for c in r["completions"]], ["stop", "stop"])
     self.assertEqual(r["output_tokens"], 5 + 1 + 7 + 1)   # the letters and EOS
     self.assertGreater(r["output_tokens_per_s"], 0)
@@ -30,7 +30,7 @@ class ServeTest(absltest.TestCase):
     cfg = serve.ServeConfig(prompts=("h e l l o",), page_size=4, num_pages=64, max_num_seqs=4,
                             warmup="one_user", progress=False)
     r = serve.run(cfg, MODEL)
-    self.assertEqual(r["completions"][0]["text"], "h e l l o")
+    self.assertEqual(r["completions"][0]["text"], " h e l l o")
     self.assertEqual((r["programs_not_warmed"], r["compile_included"]), (0, False))
     self.assertEqual(r["warmup"]["compiled"], r["warmup"]["programs"])
     self.assertIn("programs: 2 ran; warmup compiled", serve.report(r))

@@ -5,7 +5,9 @@ Checked: tokenization identical to transformers' tokenizer on 300 strings (ASCII
 whitespace runs, digits, special tokens); the chat template rendered by jinja2 (paged_jax.chat)
 identical to transformers' `apply_chat_template`; last-position logits within 1e-4 on 10 chat
 prompts; greedy answers through the paged engine identical to transformers' `generate`, both
-stopping at the template's end of turn.
+stopping at the template's end of turn; and chat over HTTP (`paged_jax.server` in a subprocess,
+driven by the `openai` client): the template from the file, the answer equal to transformers'
+greedy `generate` on transformers' own rendering of the same messages, streamed or not.
 
 The slow tier (`pytest -m slow`; CI's second stage): loading the model both ways and compiling
 the engine for a 30-layer model take about a minute. Skipped, saying why, only where the package
@@ -26,7 +28,9 @@ from paged_jax.config import CacheConfig
 from paged_jax.engine import Engine
 from paged_jax.host.scheduler import SchedulerConfig
 from paged_jax.sampling import SamplingParams
+from paged_jax.server.process import ServerProcess
 
+import openai
 try:
   import torch
   import transformers
@@ -155,6 +159,35 @@ class SmolLM2Test(absltest.TestCase):
                                 do_sample=False, eos_token_id=2, pad_token_id=2)[0, len(ids):]
       self.assertEqual(out.outputs[0].token_ids, want.tolist(), q)
       answers[q] = out.outputs[0].text
+    self.assertEqual(answers["What is the capital of France?"], "The capital of France is Paris.")
+
+  def test_chat_over_http(self):
+    hf_ids = lambda msgs: self.hf_tok.apply_chat_template(msgs, add_generation_prompt=True,
+                                                          tokenize=True, return_dict=False)
+    with ServerProcess([f"--model={PATH}", "--scan_layers", "--program_store=",
+                        "--compilation_cache=", "--max_num_seqs=4", "--num_pages=64"]) as server:
+      client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+      answers = {}
+      for q in QUESTIONS[:3]:
+        msgs = [{"role": "user", "content": q}]
+        ids = list(hf_ids(msgs))
+        with torch.no_grad():
+          x = torch.tensor([ids])
+          want = self.hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=40,
+                                  do_sample=False, eos_token_id=2, pad_token_id=2)[0, len(ids):]
+        want = want.tolist()
+        stopped = 2 in want
+        want_text = self.hf_tok.decode(want[:want.index(2)] if stopped else want)
+        got = client.chat.completions.create(model=server.model, messages=msgs, max_tokens=40,
+                                             temperature=0)
+        self.assertEqual(got.choices[0].message.content, want_text, q)
+        self.assertEqual(got.choices[0].finish_reason, "stop" if stopped else "length", q)
+        self.assertEqual(got.usage.prompt_tokens, len(ids), q)   # the template, as transformers'
+        chunks = client.chat.completions.create(model=server.model, messages=msgs,
+                                                max_tokens=40, temperature=0, stream=True)
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        self.assertEqual(streamed, want_text, q)
+        answers[q] = got.choices[0].message.content
     self.assertEqual(answers["What is the capital of France?"], "The capital of France is Paris.")
 
 
