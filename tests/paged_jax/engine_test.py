@@ -264,6 +264,33 @@ class EngineTest(absltest.TestCase):
     self.assertEqual(text.replace(" ", ""), "hello")               # ... the text does not
 
 
+class ContinuationTextTest(absltest.TestCase):
+  """Engine._continuation on stand-in tokenizers (no model): a completion's text is what its
+  tokens add after the prompt's last tokens."""
+
+  def _text(self, decode, prompt, tokens):
+    import types
+    host = types.SimpleNamespace(tokenizer=types.SimpleNamespace(decode=decode))
+    g = types.SimpleNamespace(prompt=tuple(prompt), context_text=None)
+    return Engine._continuation(host, g, list(tokens))
+
+  def test_a_word_joining_decoder_keeps_the_first_space(self):
+    words = {1: "the", 2: "cat", 3: "sat", 4: "down"}
+    decode = lambda ids: " ".join(words[i] for i in ids)
+    self.assertEqual(self._text(decode, [1, 2], [3, 4]), " sat down")
+    self.assertEqual(decode([1, 2]) + self._text(decode, [1, 2], [3, 4]), decode([1, 2, 3, 4]))
+    self.assertEqual(self._text(decode, [1, 2], []), "")
+    self.assertEqual(self._text(decode, [], [3]), "sat")   # no prompt: the tokens alone
+
+  def test_a_character_split_at_the_boundary_decodes_the_tokens_alone(self):
+    # bytes decoded as UTF-8 with replacement: the prompt ends inside "é" (0xc3 0xa9)
+    pieces = {1: b"caf", 2: b"\xc3", 3: b"\xa9", 4: b"!"}
+    decode = lambda ids: b"".join(pieces[i] for i in ids).decode("utf-8", "replace")
+    self.assertEqual(decode([1, 2]), "caf\ufffd")
+    self.assertEqual(self._text(decode, [1, 2], [3, 4]), decode([3, 4]))   # not "é!"-shifted
+    self.assertEqual(self._text(decode, [1], [2, 3, 4]), "é!")
+
+
 class WarmupTest(absltest.TestCase):
 
   def test_one_user_after_warmup_compiles_nothing(self):
