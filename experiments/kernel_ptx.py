@@ -60,6 +60,8 @@ TRITON_VERSION = "3.9.0"
 _RESULTS_JSONL = os.path.join(output.RESULTS, "kernel_ptx.jsonl")
 MODES = {"decode": 1, "mixed": 16, "prefill": 256}   # mode -> max_q_len
 FEATURES = ("plain", "window+cap")
+# The quantized pages of `paged_jax.kv_quant` the kernel dequantizes: codes and their scales.
+QUANTIZED_FORMATS = ("int8:token", "int8:page", "float8_e4m3fn:tensor", "float8_e5m2:tensor")
 
 flags.DEFINE_list("dtypes", ["bfloat16", "float32"], "Input dtypes.")
 flags.DEFINE_list("precisions", list(kernel_triton.PRECISIONS), "f32 precisions (bf16 has one).")
@@ -69,6 +71,11 @@ flags.DEFINE_list("modes", list(MODES), f"Batch kinds: {', '.join(MODES)}.")
 flags.DEFINE_list("groups", ["1", "4", "8"], "Query heads per KV head.")
 flags.DEFINE_list("features", list(FEATURES), "plain, window+cap (sliding window and soft cap).")
 flags.DEFINE_list("archs", ["80", "90"], "Compute capabilities to compile for.")
+flags.DEFINE_list("kv_formats", list(QUANTIZED_FORMATS),
+                  "Quantized page formats (kv_dtype:kv_scales) compiled on a sub-matrix: "
+                  "--kv_head_dims, page 16, every mode, group 4, plain, bf16 and f32/highest "
+                  "('' for none).")
+flags.DEFINE_list("kv_head_dims", ["64", "128"], "Head dims of the quantized sub-matrix.")
 flags.DEFINE_string("triton_python", ".venv-ptx/bin/python",
                     f"A python with triton=={TRITON_VERSION} (built there if missing).")
 flags.DEFINE_string("keep", None, "Keep TTIR / PTX / cubin of every kernel in this directory.")
@@ -103,12 +110,14 @@ class Config:
   mode: str
   group: int
   features: str
+  kv: str = "auto"   # quantized pages: "kv_dtype:kv_scales" (QUANTIZED_FORMATS)
 
   @property
   def label(self) -> str:
     prec = "" if self.dtype == "bfloat16" else f"/{self.precision}"
+    kv = "" if self.kv == "auto" else f" kv={self.kv}"
     return (f"{self.dtype}{prec} d{self.head_dim} page{self.page_size} {self.mode} "
-            f"g{self.group} {self.features}")
+            f"g{self.group} {self.features}{kv}")
 
 
 def matrix(dtypes, precisions, head_dims, page_sizes, modes, groups, features) -> list[Config]:
@@ -123,6 +132,15 @@ def matrix(dtypes, precisions, head_dims, page_sizes, modes, groups, features) -
   return out
 
 
+def quantized_matrix(kv_formats, head_dims) -> list[Config]:
+  """The quantized pages' sub-matrix: each format x head dim x mode, page 16, group 4, plain,
+  for bf16 and f32 at "highest" (the kernel dequantizes to the query's dtype, then runs the
+  same dots as on plain pages)."""
+  return [Config(dtype, "highest", int(d), 16, mode, 4, "plain", kv)
+          for kv in kv_formats for dtype in ("bfloat16", "float32") for d in head_dims
+          for mode in MODES]
+
+
 def _call(cfg: Config, block_sizes: kernel_triton.BlockSizes = kernel_triton.BlockSizes()):
   """(fn, abstract args) of one configuration: 4 sequences, 2 KV heads, a 64-page pool."""
   num_seqs, num_kv_heads, num_pages, pages_per_seq = 4, 2, 64, 16
@@ -130,12 +148,22 @@ def _call(cfg: Config, block_sizes: kernel_triton.BlockSizes = kernel_triton.Blo
   dtype = jnp.dtype(cfg.dtype)
   sds = lambda *s, d=dtype: jax.ShapeDtypeStruct(s, d)
   pages = sds(num_pages, cfg.page_size, num_kv_heads, cfg.head_dim)
+  kw = dict(sliding_window=100, soft_cap=30.0) if cfg.features == "window+cap" else {}
+  extra = ()
+  if cfg.kv != "auto":
+    from paged_jax import kv_quant
+    kv_dtype, _, granularity = cfg.kv.partition(":")
+    fmt = kv_quant.kv_format(kv_dtype, granularity or None)
+    pages = sds(num_pages, cfg.page_size, num_kv_heads, cfg.head_dim, d=fmt.code_dtype)
+    scales = sds(num_pages, *fmt.scale_shape(cfg.page_size, num_kv_heads), d=jnp.float32)
+    extra = (scales, scales)
   args = (sds(num_seqs * max_q_len, num_kv_heads * cfg.group, cfg.head_dim), pages, pages,
           sds(num_seqs, pages_per_seq, d=jnp.int32), sds(num_seqs, d=jnp.int32),
-          sds(num_seqs + 1, d=jnp.int32))
-  kw = dict(sliding_window=100, soft_cap=30.0) if cfg.features == "window+cap" else {}
+          sds(num_seqs + 1, d=jnp.int32)) + extra
 
   def fn(*a):
+    if len(a) == 8:
+      a, kw["k_scales"], kw["v_scales"] = a[:6], a[6], a[7]
     return kernel_triton.paged_attention(*a, max_q_len=max_q_len, precision=cfg.precision,
                                          block_sizes=block_sizes, **kw)
   return fn, args
@@ -247,6 +275,15 @@ def spot_sample(pairs, n: int) -> set:
   return {pairs[int(i * step)] for i in range(min(n, len(pairs)))}
 
 
+def archs_for(cfg: Config, archs) -> list[int]:
+  """The archs a configuration is compiled for: fp8 e4m3 pages not below sm_89, where Triton
+  cannot convert them ("Conversion from/to f8e4m3nv is only supported on compute capability >=
+  89") and the engine refuses the format by name (`kv_quant.unsupported_reason`)."""
+  if cfg.kv.startswith("float8_e4m3fn"):
+    return [a for a in archs if a >= 89]
+  return list(archs)
+
+
 def check(cfg_kernels, archs, triton_python, workdir, reuse: dict | None = None,
           spot_check: int = 0) -> list[dict]:
   """Compiles each distinct kernel once per arch; one row per (configuration, arch).
@@ -264,8 +301,8 @@ def check(cfg_kernels, archs, triton_python, workdir, reuse: dict | None = None,
       if key in seen:
         continue
       seen.add(key)
-      todo = [a for a in archs if (key, a) not in reuse]
-      reused.update((key, a) for a in archs if (key, a) in reuse)
+      todo = [a for a in archs_for(cfg, archs) if (key, a) not in reuse]
+      reused.update((key, a) for a in archs_for(cfg, archs) if (key, a) in reuse)
       if not todo:
         continue
       jobs += _jobs(k, key, todo, workdir)
@@ -277,7 +314,7 @@ def check(cfg_kernels, archs, triton_python, workdir, reuse: dict | None = None,
   rows = []
   for cfg, kernels in cfg_kernels:
     for k in kernels:
-      for arch in archs:
+      for arch in archs_for(cfg, archs):
         key = key_of[(cfg, k.name)]
         if (key, arch) in reused:
           res = dict(reuse[(key, arch)], reused=True)
@@ -340,7 +377,8 @@ def summary_table(rows: list[dict]) -> str:
   features of registers, spills, shared memory and programs per SM."""
   groups = {}
   for r in rows:
-    groups.setdefault((r["dtype"], r["precision"], r["head_dim"]), []).append(r)
+    groups.setdefault((r["dtype"], r["precision"], r["head_dim"], r.get("kv") or "auto"),
+                      []).append(r)
   archs = sorted({r["arch"] for r in rows})
   head = ["dtype / precision", "head_dim", "configs (kernels)", "warps"]
   for a in archs:
@@ -351,8 +389,10 @@ def summary_table(rows: list[dict]) -> str:
       return "n/a"
     lo, hi = f.format(min(xs)), f.format(max(xs))
     return lo if lo == hi else f"{lo}-{hi}"
-  for (dtype, prec, d), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
+  for (dtype, prec, d, kv), rs in sorted(groups.items(),
+                                         key=lambda g: (g[0][3] != "auto",) + g[0]):
     name = "bf16" if dtype == "bfloat16" else f"f32 / {prec}"
+    name += "" if kv == "auto" else f", {kv} pages"
     cfgs = {r["label"] for r in rs}
     keys = {r["key"] for r in rs}
     cells = [name, str(d), f"{len(cfgs)} ({len(keys)})",
@@ -426,6 +466,8 @@ def main(argv):
     return 0
   cfgs = matrix(FLAGS.dtypes, FLAGS.precisions, FLAGS.head_dims, FLAGS.page_sizes, FLAGS.modes,
                 FLAGS.groups, FLAGS.features)
+  if not FLAGS.legacy_tiles:
+    cfgs += quantized_matrix([f for f in FLAGS.kv_formats if f], FLAGS.kv_head_dims)
   t0 = time.time()
   cfg_kernels, rows = [], []
   for cfg in cfgs:
@@ -478,7 +520,7 @@ def main(argv):
 
 
 _KEEP = ("reused", "ok", "label", "dtype", "precision", "head_dim", "page_size", "mode", "group",
-         "features", "arch", "num_warps", "num_stages", "regs", "spill_stores", "spill_loads",
+         "features", "kv", "arch", "num_warps", "num_stages", "regs", "spill_stores", "spill_loads",
          "shared", "programs", "occupancy", "limit", "pass", "problems", "key")
 
 

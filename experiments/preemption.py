@@ -94,8 +94,8 @@ def per_sequence(cfg: PreemptionConfig, model, page_size: int) -> dict:
   pages = rng.permutation(np.arange(1, 2 * n + 2))[:n]   # scattered, as a pool's pages are
 
   def swap():
-    k, v = page_ops.read_pages(engine.pool, pages)
-    engine.pool = page_ops.write_pages(engine.pool, pages, k, v)
+    arrays = page_ops.read_pages(engine.pool, pages)
+    engine.pool = page_ops.write_pages(engine.pool, pages, *arrays)
     jax.block_until_ready(engine.pool.k)
 
   swap()                                      # compiles the gather and the scatter

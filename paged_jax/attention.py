@@ -12,6 +12,9 @@ the fair baseline for benchmarks), the Pallas kernel's split merge, and `merge_s
 CUDA GPUs of compute capability >= 8.0, and the XLA paths everywhere else (`decode_attention_xla`
 for one query per row, split by (row, key block) work items; `paged_attention_xla` otherwise).
 
+Every path also reads quantized pages (`kv_quant.QuantizedPages`: indexing dequantizes, so the
+XLA paths' gathers do; the kernel gets the codes and scales).
+
 `dense_attention` (the definition every path is tested against) and the merge rule live beside
 the Pallas kernel in `pallas_kernels.paged_attention` (which may not import this package), and are
 re-exported here.
@@ -36,6 +39,7 @@ from pallas_kernels.paged_attention.reference import (attention_mask, check_stat
                                                       dense_attention, empty_result,
                                                       padded_to_ragged,
                                                       paged_attention_reference, ragged_to_padded)
+from paged_jax import kv_quant
 from paged_jax.state import NULL_PAGE
 
 __all__ = ["Summary", "block_summary", "merge_summaries", "finalize", "merge_states",
@@ -161,7 +165,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
   `impl="auto"` runs the Triton kernel on CUDA GPUs of compute capability >= 8.0 (when the shapes
   suit it) and the XLA path everywhere else; "xla" and "pallas" force one. Forcing "pallas" where
   it cannot run compiled raises a ValueError saying why, unless `interpret=True` (Pallas' CPU
-  interpreter, for tests). Arguments are those of `paged_attention_xla`; `pages_per_block` tunes
+  interpreter, for tests). Arguments are those of `paged_attention_xla` (`k_pages` / `v_pages`
+  may be `kv_quant.QuantizedPages`: every path dequantizes as it reads); `pages_per_block` tunes
   the XLA path, `block_sizes` and `precision` the kernel (`kernel_triton.PRECISIONS`; the XLA
   path always computes at "highest").
   """
@@ -181,10 +186,14 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
   kw = dict(max_q_len=max_q_len, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
             return_lse=return_lse)
   if use_kernel:
+    quant = {}
+    if isinstance(k_pages, kv_quant.QuantizedPages):   # the kernel dequantizes as it reads
+      quant = dict(k_scales=k_pages.scales, v_scales=v_pages.scales)
+      k_pages, v_pages = k_pages.codes, v_pages.codes
     return kernel_triton.paged_attention(
         q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens,
         block_sizes=block_sizes or kernel_triton.BlockSizes(), interpret=interpret,
-        precision=precision, **kw)
+        precision=precision, **kw, **quant)
   if max_q_len == 1:   # decode rows: split by key block, not padded to the longest row
     kw.pop("max_q_len")
     return decode_attention_xla(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens,

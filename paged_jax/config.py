@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from paged_jax import rope
+from paged_jax import kv_quant, rope
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,16 +169,26 @@ class CacheConfig:
     memory_bytes: KV budget in bytes.
     memory_fraction: share of the device memory left after the weights (needs memory_stats).
     enable_prefix_caching: share full pages between requests by chained hash.
+    kv_dtype: how pages store K/V (`paged_jax.kv_quant`): "auto" (the model dtype), "int8",
+      "float8_e4m3fn" or "float8_e5m2", each with f32 scales beside the codes.
+    kv_scales: the scales' granularity, "token" (per page, token and KV head), "page" (per page
+      and KV head) or "tensor" (one static scale, `kv_scale`); None: int8 per token, fp8 per
+      tensor.
+    kv_scale: the static scale of kv_scales="tensor" (vLLM's default without calibration: 1.0).
   """
   page_size: int = 16
   num_pages: int | None = None
   memory_bytes: int | None = None
   memory_fraction: float | None = None
   enable_prefix_caching: bool = True
+  kv_dtype: str = "auto"
+  kv_scales: str | None = None
+  kv_scale: float = 1.0
 
   def __post_init__(self):
     if self.page_size < 1:
       raise ValueError(f"page_size={self.page_size} must be >= 1")
+    self.kv_format   # raises ValueError naming a bad kv_dtype / kv_scales / kv_scale
     given = [n for n in ("num_pages", "memory_bytes", "memory_fraction")
              if getattr(self, n) is not None]
     if len(given) > 1:
@@ -190,12 +200,23 @@ class CacheConfig:
     if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
       raise ValueError(f"memory_fraction={self.memory_fraction} must be in (0, 1]")
 
+  @property
+  def kv_format(self) -> kv_quant.KVFormat | None:
+    """The quantized format of the pages, or None for the model dtype."""
+    return kv_quant.kv_format(self.kv_dtype, self.kv_scales, self.kv_scale)
+
   def bytes_per_page(self, model: ModelConfig, model_parallel: int = 1) -> int:
     """K and V of one page across all layers, on one device of `model_parallel` (each holds
-    its heads' slice of every page: `ModelConfig.stored_kv_heads`)."""
-    itemsize = 2 if model.dtype == "bfloat16" else 4
+    its heads' slice of every page: `ModelConfig.stored_kv_heads`), a quantized pool's scales
+    included (a scale per tensor is stored once per page: `kv_quant`)."""
     heads = model.stored_kv_heads(model_parallel) // model_parallel
-    return 2 * model.num_layers * self.page_size * heads * model.head_dim * itemsize
+    fmt = self.kv_format
+    if fmt is None:
+      itemsize = 2 if model.dtype == "bfloat16" else 4
+      return 2 * model.num_layers * self.page_size * heads * model.head_dim * itemsize
+    s, h = fmt.scale_shape(self.page_size, heads)
+    codes = self.page_size * heads * model.head_dim * fmt.code_dtype.itemsize
+    return 2 * model.num_layers * (codes + 4 * s * h)
 
   def resolve_num_pages(self, model: ModelConfig, memory_stats: dict | None,
                         model_parallel: int = 1) -> int:

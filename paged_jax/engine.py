@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax import attention, model, page_ops, sharding, step
+from paged_jax import attention, kv_quant, model, page_ops, sharding, step
 from paged_jax import program_store as program_store_lib
 from paged_jax.config import CacheConfig, ModelConfig
 from paged_jax.host import batching
@@ -196,13 +196,13 @@ class Engine(EngineLoop):
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     self.num_pages = cache.resolve_num_pages(cfg, stats, self.model_parallel)
     self.page_size = cache.page_size
+    self.kv_format = cache.kv_format
     self.bm = BlockManager(self.num_pages, cache.page_size,
                            enable_prefix_caching=cache.enable_prefix_caching,
                            track_released=scrub_freed_pages)
     self._seq_ids = itertools.count()
     self.scheduler = Scheduler(self.bm, scheduler, lambda: next(self._seq_ids),
                                max_len=cfg.max_position)
-    self.pool = self._new_pool()
     self.capacity_tokens = (self.num_pages - 1) * cache.page_size
     self.max_pages_per_seq = -(-cfg.max_position // cache.page_size)
     # The XLA path gets one block-table width (the model's whole context): its attention work
@@ -211,6 +211,10 @@ class Engine(EngineLoop):
         impl == "auto" and attention.kernel_unavailable_reason(cfg.head_dim, cache.page_size)
         is None)
     self.fixed_width = not uses_kernel
+    why = kv_quant.unsupported_reason(self.kv_format, uses_kernel=uses_kernel, device=device)
+    if why:   # refused by name, never upcast behind the caller's back
+      raise ValueError(f"the KV pool format cannot run here: {why}")
+    self.pool = self._new_pool()
     self.programs: collections.Counter[batching.ProgramKey] = collections.Counter()  # -> calls
     self._compiled: dict[batching.ProgramKey, object] = {}   # warmed up, or loaded
     self._warmed: set[batching.ProgramKey] = set()           # what `warmup` provided
@@ -219,15 +223,15 @@ class Engine(EngineLoop):
     self._identity = None   # program_store.engine_identity, computed on first use
     self.stats = EngineStats()
     self._rng = np.random.default_rng(seed)
-    self._swap: dict[str, tuple[np.ndarray, np.ndarray]] = {}   # request id -> host K, V
+    self._swap: dict[str, tuple[np.ndarray, ...]] = {}   # request id -> host page arrays
     self._requests: dict[str, SequenceGroup] = {}
     self._finished_outputs: list[RequestOutput] = []
     self._ids = itertools.count()
     self._stage = "run"
-    logging.info("KV pool: %d pages x %d tokens = %d tokens (%.1f MiB per device, %d devices)",
-                 self.num_pages - 1, cache.page_size, self.capacity_tokens,
+    logging.info("KV pool: %d pages x %d tokens = %d tokens (%.1f MiB per device, %d devices, "
+                 "%s)", self.num_pages - 1, cache.page_size, self.capacity_tokens,
                  self.num_pages * cache.bytes_per_page(cfg, self.model_parallel) / 2 ** 20,
-                 self.model_parallel)
+                 self.model_parallel, self.kv_format or cfg.dtype)
     if slow_narrow_kv_writes(cfg.dtype):
       logging.warning(
           "dtype=%s on jax %s's CPU backend: each KV write converts the whole layer of pages to "
@@ -238,7 +242,7 @@ class Engine(EngineLoop):
     cfg = self.cfg
     kw = dict(num_layers=cfg.num_layers, num_pages=self.num_pages, page_size=self.page_size,
               num_kv_heads=cfg.stored_kv_heads(self.model_parallel), head_dim=cfg.head_dim,
-              dtype=cfg.dtype)
+              dtype=cfg.dtype, kv_format=self.kv_format)
     return KVPool.create(**kw) if self.mesh is None else sharding.new_pool(self.mesh, **kw)
 
   # ------------------------------------------------------------------------------ requests
@@ -480,8 +484,7 @@ class Engine(EngineLoop):
         self.pool = page_ops.zero_pages(self.pool, jnp.asarray(pages))
         self.stats.scrubbed_pages += len(released)
     for request_id, pages in plan.swap_in:
-      k, v = self._swap.pop(request_id)
-      self.pool = page_ops.write_pages(self.pool, pages, k, v)
+      self.pool = page_ops.write_pages(self.pool, pages, *self._swap.pop(request_id))
     for pairs in batching.copy_batches(plan.copies):
       src, dst = batching.pad_copy_pairs(pairs)
       page_ops.check_copy_batch(src, dst)

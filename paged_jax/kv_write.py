@@ -8,6 +8,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from paged_jax import kv_quant
 from paged_jax.state import KVPool
 
 
@@ -18,7 +19,8 @@ def write_kv(pool: KVPool, layer: int, k: jax.Array, v: jax.Array, slots: jax.Ar
   Args:
     pool: KVPool; donated, do not reuse it.
     layer: static layer index.
-    k: [num_tokens, num_kv_heads, head_dim], cast to the pool's dtype.
+    k: [num_tokens, num_kv_heads, head_dim], cast to the pool's dtype (quantized by
+      `kv_quant.write_layer` when the pool is).
     v: same as `k`.
     slots: i32[num_tokens] flat slot `page * page_size + offset` per token. Padding tokens point
       into NULL_PAGE; never use -1 (JAX wraps it to the last slot of the pool).
@@ -32,6 +34,11 @@ def write_kv(pool: KVPool, layer: int, k: jax.Array, v: jax.Array, slots: jax.Ar
     raise ValueError(f"layer={layer} is outside [0, num_layers={pool.num_layers})")
   slots = slots + pool.layer_offset(layer) * pool.page_size   # into the flat view
   pages_k, pages_v = pool.flat()
+  if pool.quantized:
+    scales_k, scales_v = pool.flat_scales()
+    pages_k, scales_k, _ = kv_quant.write_layer(pages_k, scales_k, k, slots, pool.fmt)
+    pages_v, scales_v, _ = kv_quant.write_layer(pages_v, scales_v, v, slots, pool.fmt)
+    return pool.from_flat(pages_k, pages_v, scales_k, scales_v)
   return pool.from_flat(write_kv_layer(pages_k, k, slots), write_kv_layer(pages_v, v, slots))
 
 

@@ -21,7 +21,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from paged_jax import attention, matmul, sharding
+from paged_jax import attention, kv_quant, matmul, sharding
 from paged_jax import rope as rotary
 from paged_jax.config import ModelConfig
 from paged_jax.kv_write import write_kv_layer
@@ -51,23 +51,35 @@ class PagedKV:
     Without `select`, decode rows and prefill chunks run as `attention.step_attention` splits
     them (one kernel launch on a GPU; decode rows and prefill rows apart on the XLA path).
     """
-    def local(q, k, v, pool_k, pool_v, md, select, offset):   # one device's heads (or all)
-      shape = pool_k.shape
-      pages_k = pool_k.reshape((shape[0] * shape[1],) + shape[2:])
-      pages_v = pool_v.reshape(pages_k.shape)
+    pool = self.pool
+
+    def local(q, k, v, arrays, md, select, offset):   # one device's heads (or all)
+      shape = arrays[0].shape
+      flat = lambda x: x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
       md = md.replace(block_tables=md.block_tables + offset,
                       slots=md.slots + offset * shape[2])
       with jax.named_scope("kv_write"):
-        pages_k = write_kv_layer(pages_k, k, md.slots)
-        pages_v = write_kv_layer(pages_v, v, md.slots)
+        if pool.quantized:   # codes and scales; the step's own K/V as they are stored
+          fmt, dtype = pool.fmt, jnp.dtype(pool.compute_dtype)
+          codes_k, scales_k, k = kv_quant.write_layer(flat(arrays[0]), flat(arrays[2]), k,
+                                                      md.slots, fmt)
+          codes_v, scales_v, v = kv_quant.write_layer(flat(arrays[1]), flat(arrays[3]), v,
+                                                      md.slots, fmt)
+          pages_k = kv_quant.QuantizedPages(codes_k, scales_k, dtype)
+          pages_v = kv_quant.QuantizedPages(codes_v, scales_v, dtype)
+          new = (codes_k, codes_v, scales_k, scales_v)
+        else:
+          pages_k = write_kv_layer(flat(arrays[0]), k, md.slots)
+          pages_v = write_kv_layer(flat(arrays[1]), v, md.slots)
+          new = (pages_k, pages_v)
       with jax.named_scope("attention"):
         o = self._attention(md, pages_k, pages_v, q, k, v, select, sliding_window=sliding_window,
                             scale=scale, soft_cap=soft_cap)
-      return o, pages_k.reshape(shape), pages_v.reshape(shape)
-    offset = jnp.asarray(self.pool.layer_offset(layer), jnp.int32)
-    o, pool_k, pool_v = sharding.over_kv_heads(local, q, k, v, self.pool.k, self.pool.v, self.md,
-                                               select, offset)
-    return o, self.replace(pool=self.pool.replace(k=pool_k, v=pool_v))
+      return o, tuple(x.reshape(a.shape) for x, a in zip(new, arrays))
+    offset = jnp.asarray(pool.layer_offset(layer), jnp.int32)
+    o, arrays = sharding.over_kv_heads(local, q, k, v, pool.page_arrays(), self.md, select,
+                                       offset)
+    return o, self.replace(pool=pool.with_page_arrays(arrays))
 
   def _attention(self, md, pages_k, pages_v, q, k, v, select, **kw):
     if select is None:
@@ -91,6 +103,9 @@ class DenseKV:
   """A contiguous cache [num_layers, num_seqs, max_len, K, D]: the reference for the paged path.
 
   seq_ids/positions: i32[num_tokens] where each query token's K/V goes.
+  fmt: a quantized pool's format (per token or per tensor): K/V are quantized and dequantized
+    as the pool's write does before they are stored, so a quantized paged run can be compared
+    with it exactly.
   """
   k: jax.Array
   v: jax.Array
@@ -99,10 +114,19 @@ class DenseKV:
   seq_lens: jax.Array
   cu_q_lens: jax.Array
   max_q_len: int = flax.struct.field(pytree_node=False, default=1)
+  fmt: kv_quant.KVFormat | None = flax.struct.field(pytree_node=False, default=None)
 
   def attend(self, layer: int, q, k, v, *, sliding_window, scale=None, soft_cap=None,
              select=None):
     kw = dict(sliding_window=sliding_window, scale=scale, soft_cap=soft_cap)
+    if self.fmt is not None:   # the reference of a quantized pool: K/V as a write stores them
+      scale_of = ((lambda x: jnp.full(x.shape[:2], self.fmt.tensor_scale, jnp.float32))
+                  if self.fmt.granularity == "tensor" else None)
+      if self.fmt.granularity == "page":
+        raise ValueError("DenseKV has no pages: a per-page scale has no dense reference (test "
+                         "the attention paths on `kv_quant.quantize_pages` instead)")
+      k = kv_quant.roundtrip(k, self.fmt, None if scale_of is None else scale_of(k))
+      v = kv_quant.roundtrip(v, self.fmt, None if scale_of is None else scale_of(v))
     kc = self.k.at[layer, self.seq_ids, self.positions].set(k.astype(self.k.dtype))
     vc = self.v.at[layer, self.seq_ids, self.positions].set(v.astype(self.v.dtype))
     if select is None:

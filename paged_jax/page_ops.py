@@ -1,6 +1,7 @@
 """Pure device functions for what the block manager asks of the pool: copy-on-write, swap, scrub.
 
-`copy_pages` is jitted with the pool donated. Pad `src`/`dst` with NULL_PAGE -> NULL_PAGE pairs
+Each acts on every array the pool indexes by page (`KVPool.page_arrays`: K and V, and a quantized
+pool's scales), so the scales follow the pages. `copy_pages` is jitted with the pool donated. Pad `src`/`dst` with NULL_PAGE -> NULL_PAGE pairs
 to a few bucket sizes so it compiles once per bucket (a NULL_PAGE self-copy is harmless).
 """
 
@@ -29,8 +30,7 @@ def copy_pages(pool: KVPool, src: jax.Array, dst: jax.Array) -> KVPool:
   """
   if src.shape != dst.shape or src.ndim != 1:
     raise ValueError(f"src {src.shape} and dst {dst.shape} must be equal 1-D shapes")
-  return pool.replace(k=pool.k.at[:, dst].set(pool.k[:, src]),
-                      v=pool.v.at[:, dst].set(pool.v[:, src]))
+  return pool.with_page_arrays(x.at[:, dst].set(x[:, src]) for x in pool.page_arrays())
 
 
 def check_copy_batch(src, dst) -> None:
@@ -58,55 +58,63 @@ def _padded(n: int) -> int:
   return 1 << max(0, (n - 1).bit_length())
 
 
-def read_pages(pool: KVPool, pages) -> tuple[np.ndarray, np.ndarray]:
-  """Swap-out: host copies (NumPy) of K and V of `pages`, [num_layers, len(pages), page_size, K, D]."""
+def read_pages(pool: KVPool, pages) -> tuple[np.ndarray, ...]:
+  """Swap-out: host copies (NumPy) of `pages` of every page array (`KVPool.page_arrays`): K and
+  V [num_layers, len(pages), page_size, K, D], then a quantized pool's K and V scales
+  [num_layers, len(pages), S, H]."""
   pages = np.asarray(pages, np.int32)
   idx = np.full(_padded(len(pages)), NULL_PAGE, np.int32)
   idx[:len(pages)] = pages
-  k, v = _read(pool, jnp.asarray(idx))
-  return np.asarray(k)[:, :len(pages)], np.asarray(v)[:, :len(pages)]
+  return tuple(np.asarray(x)[:, :len(pages)] for x in _read(pool, jnp.asarray(idx)))
 
 
 @jax.jit
 def _read(pool: KVPool, idx: jax.Array):
-  return pool.k[:, idx], pool.v[:, idx]
+  return tuple(x[:, idx] for x in pool.page_arrays())
 
 
-def write_pages(pool: KVPool, pages, k, v) -> KVPool:
+def write_pages(pool: KVPool, pages, *arrays) -> KVPool:
   """Swap-in: stores host copies back into (new) pages; inverse of `read_pages`.
 
   Args:
     pool: KVPool; donated.
     pages: i32[n] destination pages.
-    k, v: [num_layers, n, page_size, num_kv_heads, head_dim] (host or device arrays).
+    *arrays: what `read_pages` returned for n pages (host or device arrays): k, v
+      [num_layers, n, page_size, num_kv_heads, head_dim], then k_scale, v_scale of a quantized
+      pool.
   """
   pages = np.asarray(pages, np.int32)
   n = len(pages)
-  want = (pool.num_layers, n, pool.page_size, pool.num_kv_heads, pool.head_dim)
-  if tuple(k.shape) != want or tuple(v.shape) != want:
-    raise ValueError(f"k / v shapes {tuple(k.shape)} / {tuple(v.shape)} do not match {n} pages "
-                     f"of a pool of shape {pool.k.shape}: expected "
-                     f"{want}")
+  names = ("k", "v", "k_scale", "v_scale")
+  if len(arrays) != len(pool.page_arrays()):
+    raise ValueError(f"{len(arrays)} arrays for a pool of {len(pool.page_arrays())} page arrays "
+                     f"({', '.join(names[:len(pool.page_arrays())])})")
+  for name, x, ref in zip(names, arrays, pool.page_arrays()):
+    want = (ref.shape[0], n) + ref.shape[2:]
+    if tuple(x.shape) != want:
+      raise ValueError(f"{name} shape {tuple(x.shape)} does not match {n} pages of a pool of "
+                       f"shape {ref.shape}: expected {want}")
   m = _padded(n)   # padding writes zeros into NULL_PAGE, the scratch page padding rows use
   idx = np.full(m, NULL_PAGE, np.int32)
   idx[:n] = pages
-  pad = [(0, 0), (0, m - n)] + [(0, 0)] * 3
-  return _write(pool, jnp.asarray(idx), jnp.pad(jnp.asarray(k), pad), jnp.pad(jnp.asarray(v), pad))
+  padded = tuple(jnp.pad(jnp.asarray(x), [(0, 0), (0, m - n)] + [(0, 0)] * (x.ndim - 2))
+                 for x in arrays)
+  return _write(pool, jnp.asarray(idx), padded)
 
 
 @functools.partial(jax.jit, donate_argnames=("pool",))
-def _write(pool: KVPool, pages: jax.Array, k: jax.Array, v: jax.Array) -> KVPool:
-  return pool.replace(k=pool.k.at[:, pages].set(k.astype(pool.dtype)),
-                      v=pool.v.at[:, pages].set(v.astype(pool.dtype)))
+def _write(pool: KVPool, pages: jax.Array, arrays) -> KVPool:
+  return pool.with_page_arrays(x.at[:, pages].set(a.astype(x.dtype))
+                               for x, a in zip(pool.page_arrays(), arrays))
 
 
 @functools.partial(jax.jit, donate_argnames=("pool",))
 def zero_pages(pool: KVPool, pages: jax.Array) -> KVPool:
-  """Scrubs pages: K and V of `pages` become zeros in every layer (the engine's
-  `scrub_freed_pages`). Pad `pages` with NULL_PAGE (zeroing it is harmless).
+  """Scrubs pages: K and V of `pages` (and their scales) become zeros in every layer (the
+  engine's `scrub_freed_pages`). Pad `pages` with NULL_PAGE (zeroing it is harmless).
 
   Args:
     pool: KVPool; donated.
     pages: i32[n].
   """
-  return pool.replace(k=pool.k.at[:, pages].set(0), v=pool.v.at[:, pages].set(0))
+  return pool.with_page_arrays(x.at[:, pages].set(0) for x in pool.page_arrays())

@@ -66,6 +66,8 @@ class ServeConfig:
   num_pages: int | None = None
   kv_cache_bytes: int | None = None
   kv_cache_fraction: float | None = None
+  kv_dtype: str = "auto"
+  kv_scales: str | None = None
   max_num_seqs: int = 64
   max_num_batched_tokens: int = 2048
   steps_per_sync: int = 4
@@ -191,7 +193,8 @@ def make_engine(cfg: ServeConfig, params, mcfg, tokenizer, eos):
   mesh = sharding.mesh_from_flag(cfg.mesh)
   cache = CacheConfig(page_size=cfg.page_size, num_pages=cfg.num_pages,
                       memory_bytes=cfg.kv_cache_bytes, memory_fraction=cfg.kv_cache_fraction,
-                      enable_prefix_caching=cfg.enable_prefix_caching)
+                      enable_prefix_caching=cfg.enable_prefix_caching, kv_dtype=cfg.kv_dtype,
+                      kv_scales=cfg.kv_scales)
   reservation_tokens = None
   if cfg.reservation != "paged":
     device = jax.devices()[0]
@@ -375,8 +378,9 @@ def report(r: dict) -> str:
   return "\n".join(lines)
 
 
-ENGINE_FIELDS = ("page_size", "num_pages", "kv_cache_bytes", "kv_cache_fraction", "max_num_seqs",
-                 "max_num_batched_tokens", "steps_per_sync", "preemption_mode", "reservation",
+ENGINE_FIELDS = ("page_size", "num_pages", "kv_cache_bytes", "kv_cache_fraction", "kv_dtype",
+                 "kv_scales", "max_num_seqs", "max_num_batched_tokens", "steps_per_sync",
+                 "preemption_mode", "reservation",
                  "enable_prefix_caching", "impl", "dtype", "seed", "warmup", "validate_tables",
                  "scrub_freed_pages", "mesh", "scan_layers")
 
@@ -421,6 +425,12 @@ def define_engine_flags():
   flags.DEFINE_integer("num_pages", None, "Pages in the pool (default: from the memory budget).")
   flags.DEFINE_integer("kv_cache_bytes", None, "KV budget in bytes (CPU default 256 MiB).")
   flags.DEFINE_float("kv_cache_fraction", None, "Share of free device memory (GPU; default 0.9).")
+  flags.DEFINE_enum("kv_dtype", "auto", ["auto", "int8", "float8_e4m3fn", "float8_e5m2"],
+                    "How pages store K/V: the model dtype, or quantized with f32 scales "
+                    "(paged_jax.kv_quant).")
+  flags.DEFINE_enum("kv_scales", None, ["token", "page", "tensor"],
+                    "Scale granularity of a quantized kv_dtype (default: int8 per token, fp8 "
+                    "per tensor).")
   flags.DEFINE_integer("max_num_seqs", 64, "Most sequences per step.")
   flags.DEFINE_integer("max_num_batched_tokens", 2048, "Token budget per step.")
   flags.DEFINE_integer("steps_per_sync", 4, "Decode steps per host sync.")

@@ -141,23 +141,25 @@ def shard_params(params, cfg: ModelConfig, mesh: Mesh):
   return jax.device_put(params, param_shardings(params, cfg, mesh))
 
 
-def _pool_sharding(mesh: Mesh, num_kv_heads: int) -> NamedSharding:
+def _pool_sharding(mesh: Mesh, pool: KVPool):
+  """The pool pytree's shardings: every page array split over "model" by `_pool_array_spec`."""
   model = axis_size(mesh, MODEL)
-  if num_kv_heads % model:
-    raise ValueError(f"a pool of {num_kv_heads} KV heads does not divide across model={model} "
-                     f"devices (give it ModelConfig.stored_kv_heads({model}) heads)")
-  return NamedSharding(mesh, POOL_SPEC)
+  if pool.num_kv_heads % model:
+    raise ValueError(f"a pool of {pool.num_kv_heads} KV heads does not divide across "
+                     f"model={model} devices (give it ModelConfig.stored_kv_heads({model}) heads)")
+  return jax.tree_util.tree_map(lambda x: NamedSharding(mesh, _pool_array_spec(x)), pool)
 
 
 def new_pool(mesh: Mesh, **create_kw) -> KVPool:
   """`KVPool.create(**create_kw)` born split over the mesh (no device ever holds it whole)."""
-  return jax.jit(lambda: KVPool.create(**create_kw),
-                 out_shardings=_pool_sharding(mesh, create_kw["num_kv_heads"]))()
+  make = lambda: KVPool.create(**create_kw)
+  return jax.jit(make, out_shardings=_pool_sharding(mesh, jax.eval_shape(make)))()
 
 
 def shard_pool(pool: KVPool, mesh: Mesh) -> KVPool:
-  """The pool placed with its KV-heads axis split over "model"."""
-  return jax.device_put(pool, _pool_sharding(mesh, pool.num_kv_heads))
+  """The pool placed with its KV-heads axis split over "model" (a quantized pool's scales
+  alike)."""
+  return jax.device_put(pool, _pool_sharding(mesh, pool))
 
 
 def replica_meshes(mesh: Mesh) -> list[Mesh]:
@@ -165,26 +167,37 @@ def replica_meshes(mesh: Mesh) -> list[Mesh]:
   return [Mesh(mesh.devices[d:d + 1], (DATA, MODEL)) for d in range(mesh.devices.shape[0])]
 
 
-def over_kv_heads(fn, q, k, v, pages_k, pages_v, *replicated):
-  """fn(q, k, v, pages_k, pages_v, *replicated) run per device on its heads when the ambient
-  mesh has a "model" axis of more than one device; plain `fn(...)` otherwise.
+def _pool_array_spec(x) -> P:
+  """K / V pages [layers, pages, page_size, heads, D] split over heads; a quantized pool's scales
+  [layers, pages, S, H] too where they have a heads axis (H > 1), whole where they are one per
+  page or per tensor (H == 1)."""
+  if x.ndim == 5:
+    return POOL_SPEC
+  return P(None, None, None, MODEL) if x.shape[3] > 1 else P()
+
+
+def over_kv_heads(fn, q, k, v, pool_arrays, *replicated):
+  """fn(q, k, v, pool_arrays, *replicated) run per device on its heads when the ambient mesh has
+  a "model" axis of more than one device; plain `fn(...)` otherwise.
 
   Args:
-    q: [T, num_q_heads, D]; k, v: [T, num_kv_heads, D]; pages_k, pages_v: the pool's
-      dtype[num_layers, num_pages, page_size, stored_kv_heads, D] (k and v are repeated to the
-      stored heads when KV heads are replicated).
+    q: [T, num_q_heads, D]; k, v: [T, num_kv_heads, D]; pool_arrays: the pool's
+      `KVPool.page_arrays()`: K and V dtype[num_layers, num_pages, page_size, stored_kv_heads, D]
+      (k and v are repeated to the stored heads when KV heads are replicated), and a quantized
+      pool's scales.
     replicated: pytrees every device sees whole (metadata, token indices).
 
-  fn returns (o [T, num_q_heads_local, D], pages_k, pages_v) on local heads.
+  fn returns (o [T, num_q_heads_local, D], pool_arrays) on local heads.
   """
   mesh = jax.sharding.get_abstract_mesh()
   model = axis_size(mesh, MODEL)
   if model == 1:
-    return fn(q, k, v, pages_k, pages_v, *replicated)
-  stored = pages_k.shape[3]
+    return fn(q, k, v, pool_arrays, *replicated)
+  stored = pool_arrays[0].shape[3]
   if stored != k.shape[1]:   # replicated KV heads: head j of the pool is KV head j // r
     k = jnp.repeat(k, stored // k.shape[1], axis=1)
     v = jnp.repeat(v, stored // v.shape[1], axis=1)
-  specs = (HEADS_SPEC, HEADS_SPEC, HEADS_SPEC, POOL_SPEC, POOL_SPEC) + (P(),) * len(replicated)
-  return jax.shard_map(fn, in_specs=specs, out_specs=(HEADS_SPEC, POOL_SPEC, POOL_SPEC),
-                       check_vma=False)(q, k, v, pages_k, pages_v, *replicated)
+  pool_specs = tuple(_pool_array_spec(x) for x in pool_arrays)
+  specs = (HEADS_SPEC, HEADS_SPEC, HEADS_SPEC, pool_specs) + (P(),) * len(replicated)
+  return jax.shard_map(fn, in_specs=specs, out_specs=(HEADS_SPEC, pool_specs),
+                       check_vma=False)(q, k, v, tuple(pool_arrays), *replicated)

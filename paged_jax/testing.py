@@ -213,19 +213,21 @@ class DenseGreedy:
   """`dense_greedy` for one model, memoized per (prompt, max_new_tokens): tests compare many
   engine runs against the same few references."""
 
-  def __init__(self, params, cfg):
-    self.params, self.cfg, self._cache = params, cfg, {}
+  def __init__(self, params, cfg, kv_format=None):
+    self.params, self.cfg, self.kv_format, self._cache = params, cfg, kv_format, {}
 
   def __call__(self, prompt, max_new_tokens: int) -> list[int]:
     key = (tuple(prompt), max_new_tokens)
     if key not in self._cache:
-      self._cache[key] = dense_greedy(self.params, self.cfg, prompt, max_new_tokens)
+      self._cache[key] = dense_greedy(self.params, self.cfg, prompt, max_new_tokens,
+                                      kv_format=self.kv_format)
     return self._cache[key]
 
 
-def dense_greedy(params, cfg, prompt, max_new_tokens: int) -> list[int]:
+def dense_greedy(params, cfg, prompt, max_new_tokens: int, *, kv_format=None) -> list[int]:
   """Greedy decoding with a dense contiguous cache (model.DenseKV): the reference for the paged
-  steps. Prefill in one call, then one token per call."""
+  steps. Prefill in one call, then one token per call. `kv_format` (a `kv_quant.KVFormat` per
+  token or per tensor): K/V quantized and dequantized as a quantized pool stores them."""
   from paged_jax import model
   # The cache is padded to a multiple of 64 (keys past seq_lens are masked) so that every
   # decode call of every prompt shares one compiled program per config (`_dense_apply`).
@@ -243,7 +245,7 @@ def dense_greedy(params, cfg, prompt, max_new_tokens: int) -> list[int]:
     kv = model.DenseKV(cache_k, cache_v, seq_ids=jnp.zeros(n, jnp.int32),
                        positions=jnp.arange(start, start + n, dtype=jnp.int32),
                        seq_lens=jnp.array([start + n], jnp.int32),
-                       cu_q_lens=jnp.array([0, n], jnp.int32), max_q_len=n)
+                       cu_q_lens=jnp.array([0, n], jnp.int32), max_q_len=n, fmt=kv_format)
     logits, kv = apply(params, new, jnp.arange(start, start + n, dtype=jnp.int32), kv,
                        jnp.array([n - 1], jnp.int32))
     cache_k, cache_v = kv.k, kv.v

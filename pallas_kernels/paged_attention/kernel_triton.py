@@ -30,6 +30,10 @@ Tiles (rows per program, keys per inner step, warps) are chosen per dtype, preci
 in `plan` so that every configuration compiles without register spills for sm_80 and sm_90;
 experiments/kernel_ptx.py checks that with pip Triton's compiler and ptxas (CI runs it).
 
+Quantized pages (`k_scales` / `v_scales`: int8 or fp8 codes with f32 scales per token, per page or
+per tensor, paged_jax.kv_quant's layout) are dequantized as each tile is loaded (code x scale in
+f32, cast to the query's dtype), then the same dots and merge run.
+
 Runs compiled on a GPU, or on a CPU with `interpret=True` (Pallas' HLO interpreter).
 Never imports paged_jax.
 """
@@ -60,6 +64,8 @@ PRECISIONS = {
 }
 _TF32_BITS = dict(exponent_bits=8, mantissa_bits=10)
 _MIN_DOT = 16   # Triton's smallest dot dimension
+# Code dtypes the kernel dequantizes as it reads (`k_scales` / `v_scales`).
+QUANTIZED_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
 
 def _dot(a, b, dims, precision: str, interpret: bool):
@@ -217,10 +223,17 @@ def default_tiles(dtype, precision: str, head_dim: int, group: int = 1) -> Tiles
 
 def plan(num_seqs: int, num_kv_heads: int, group: int, max_q_len: int, max_pages_per_seq: int,
          page_size: int, block_sizes: BlockSizes, *, head_dim: int = 128,
-         dtype=jnp.bfloat16, precision: str = "highest") -> _Plan:
+         dtype=jnp.bfloat16, precision: str = "highest", quantized: bool = False) -> _Plan:
   """Chooses tiles from static shapes: rows up to `Tiles.max_rows` per program, >= 16 keys per
-  inner step, and enough KV splits to give ~target_programs programs; `block_sizes` overrides."""
+  inner step, and enough KV splits to give ~target_programs programs; `block_sizes` overrides.
+  Quantized pages hold each tile's scales too: IEEE f32 dots over heads wider than 64 with more
+  than one query per row run on 4 warps (on 8, int8 per-page scales spilled 8 B on sm_80 at
+  head_dim 128 in prefill; on 4, decode spilled on sm_90, so decode keeps 8: experiments/
+  kernel_ptx.py's quantized sub-matrix)."""
   tiles = default_tiles(jnp.dtype(dtype), precision, head_dim, group)
+  if (quantized and jnp.dtype(dtype) == jnp.float32 and precision == "highest"
+      and head_dim > 64 and max_q_len > 1):
+    tiles = dataclasses.replace(tiles, num_warps=4)
   block_q = block_sizes.block_q or (1 if max_q_len == 1 else
                                     max(1, min(_next_pow2(max_q_len), tiles.max_rows // group)))
   block_rows = max(_MIN_DOT, _next_pow2(block_q * group))
@@ -246,15 +259,21 @@ def plan(num_seqs: int, num_kv_heads: int, group: int, max_q_len: int, max_pages
 def _kernel(meta_ref,      # i32[2]: kv_len, q_len of this sequence
             tables_ref,    # i32[table_width] this sequence's block table, NULL_PAGE padded
             q_ref,         # [block_rows, head_dim] rows = (query, head of the group)
-            k_pages_ref,   # [num_pages, page_size, head_dim] one KV head
+            k_pages_ref,   # [num_pages, page_size, head_dim] one KV head (codes if quantized)
             v_pages_ref,   # [num_pages, page_size, head_dim]
-            u_ref,         # f32[block_rows, head_dim] unnormalised output of this split
-            m_ref,         # f32[block_rows] running max
-            l_ref,         # f32[block_rows] running sum of exp(s - m)
-            *, group: int, block_q: int, num_splits: int, pages_per_split: int,
+            *refs,         # quantized: k_scales_ref, v_scales_ref f32[num_pages, S] (S: the
+                           # page's tokens, or 1 for a scale per page); then:
+                           # u_ref f32[block_rows, head_dim] unnormalised output of this split,
+                           # m_ref f32[block_rows] running max,
+                           # l_ref f32[block_rows] running sum of exp(s - m)
+            group: int, block_q: int, num_splits: int, pages_per_split: int,
             block_tokens: int, scale: float, soft_cap: float | None,
             sliding_window: int | None, chunks: tuple[tuple[int, int], ...], precision: str,
-            interpret: bool):
+            interpret: bool, quantized: bool = False):
+  if quantized:
+    k_scales_ref, v_scales_ref, u_ref, m_ref, l_ref = refs
+  else:
+    u_ref, m_ref, l_ref = refs
   j = pl.program_id(2)
   row_block, split = j // num_splits, j % num_splits
   kv_len, q_len = meta_ref[0], meta_ref[1]
@@ -281,6 +300,16 @@ def _kernel(meta_ref,      # i32[2]: kv_len, q_len of this sequence
 
   qs = [q_ref[:, pl.ds(off, size)] for off, size in chunks]
 
+  def token_scales(ref, pages):   # f32[block_tokens, 1]: each key's scale
+    sc = ref[pages, :]                                        # [pages_per_block, S]
+    return jnp.broadcast_to(sc, (pages_per_block, page_size)).reshape(block_tokens, 1)
+
+  def load(ref, scales, pages, off, size):   # [block_tokens, size] in q's dtype
+    x = ref[pages, :, pl.ds(off, size)].reshape(block_tokens, size)
+    if scales is None:
+      return x
+    return (x.astype(jnp.float32) * scales).astype(q_ref.dtype)   # dequantize as it is read
+
   def body(it, carry):
     m, l, us = carry
     first_page = lo_page + it * pages_per_block
@@ -288,9 +317,11 @@ def _kernel(meta_ref,      # i32[2]: kv_len, q_len of this sequence
     tok = first_page * page_size + jnp.arange(block_tokens, dtype=jnp.int32)
     # The last block may run past this program's range (into the next split's pages): mask it.
     kv_valid = (tok < kv_len) & (tok < hi_page * page_size)
+    k_sc = token_scales(k_scales_ref, pages) if quantized else None
+    v_sc = token_scales(v_scales_ref, pages) if quantized else None
     s = None
     for q, (off, size) in zip(qs, chunks):
-      k = k_pages_ref[pages, :, pl.ds(off, size)].reshape(block_tokens, size)
+      k = load(k_pages_ref, k_sc, pages, off, size)
       part = _dot(q, k, ((1,), (1,)), precision, interpret)
       s = part if s is None else s + part
     s = s * scale
@@ -307,7 +338,7 @@ def _kernel(meta_ref,      # i32[2]: kv_len, q_len of this sequence
     l = alpha * l + jnp.sum(p, axis=1)
     new_us = []
     for u, (off, size) in zip(us, chunks):
-      v = v_pages_ref[pages, :, pl.ds(off, size)].reshape(block_tokens, size)
+      v = load(v_pages_ref, v_sc, pages, off, size)
       v = jnp.where(kv_valid[:, None], v, 0)   # mask V too: 0 * NaN would be NaN
       pv = _dot(p.astype(v.dtype), v, ((1,), (0,)), precision, interpret)
       new_us.append(alpha[:, None] * u + pv)
@@ -329,13 +360,18 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
                     max_q_len: int | None = None, scale: float | None = None,
                     sliding_window: int | None = None, soft_cap: float | None = None,
                     block_sizes: BlockSizes = BlockSizes(), interpret: bool = False,
-                    return_lse: bool = False, precision: str = "highest"):
+                    return_lse: bool = False, precision: str = "highest",
+                    k_scales=None, v_scales=None):
   """Ragged paged attention in one kernel launch. Same arguments as `paged_attention_reference`.
 
   Args:
     q: dtype[num_tokens, num_q_heads, head_dim], ragged by `cu_q_lens`.
     k_pages: dtype[num_pages, page_size, num_kv_heads, head_dim]; page_size a power of two.
+      With `k_scales`: int8 / float8 codes, dequantized (code * scale, in q's dtype) as they
+      are read.
     v_pages: same as `k_pages`.
+    k_scales, v_scales: f32[num_pages, S, H] the codes' scales (S page_size or 1, H num_kv_heads
+      or 1: per token, per page or per tensor; `paged_jax.kv_quant`), or None for plain pages.
     block_tables: i32[num_seqs, max_pages_per_seq].
     seq_lens: i32[num_seqs] keys including this step's; 0 marks a padding row.
     cu_q_lens: i32[num_seqs + 1].
@@ -352,14 +388,27 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
   Returns:
     dtype[num_tokens, num_q_heads, head_dim] (and lse).
   """
-  check_static_args(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, max_q_len=max_q_len,
-                    sliding_window=sliding_window, soft_cap=soft_cap)
+  quantized = k_scales is not None
+  if quantized != (v_scales is not None):
+    raise ValueError("give both k_scales and v_scales, or neither")
+  as_q = lambda x: jax.ShapeDtypeStruct(x.shape, q.dtype) if quantized else x
+  check_static_args(q, as_q(k_pages), as_q(v_pages), block_tables, seq_lens, cu_q_lens,
+                    max_q_len=max_q_len, sliding_window=sliding_window, soft_cap=soft_cap)
   if precision not in PRECISIONS:
     raise ValueError(f"precision={precision!r} is not one of {tuple(PRECISIONS)}")
-  if q.shape[0] == 0:
-    return empty_result(q, return_lse)
   num_tokens, num_q_heads, head_dim = q.shape
   num_pages, page_size, num_kv_heads, _ = k_pages.shape
+  if quantized:
+    if k_pages.dtype != v_pages.dtype or k_pages.dtype not in QUANTIZED_DTYPES:
+      raise ValueError(f"quantized pages must be one of {[d.name for d in QUANTIZED_DTYPES]}; "
+                       f"got k={k_pages.dtype}, v={v_pages.dtype}")
+    for name, sc in (("k_scales", k_scales), ("v_scales", v_scales)):
+      if (sc.ndim != 3 or sc.shape[0] != num_pages or sc.shape[1] not in (1, page_size)
+          or sc.shape[2] not in (1, num_kv_heads)):
+        raise ValueError(f"{name} shape {sc.shape} is not [num_pages={num_pages}, 1 or "
+                         f"page_size={page_size}, 1 or num_kv_heads={num_kv_heads}]")
+  if q.shape[0] == 0:
+    return empty_result(q, return_lse)
   num_seqs, max_pages_per_seq = block_tables.shape
   group = num_q_heads // num_kv_heads
   if page_size & (page_size - 1):
@@ -368,7 +417,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
   scale = head_dim ** -0.5 if scale is None else scale
   plan_for = functools.partial(plan, num_seqs, num_kv_heads, group, max_q_len,
                                block_sizes=block_sizes, head_dim=head_dim, dtype=q.dtype,
-                               precision=precision)
+                               precision=precision, quantized=quantized)
   p = plan_for(max_pages_per_seq, page_size)
   if p.block_tokens < page_size:
     # Pages larger than a step: view each page as page_size / block_tokens consecutive sub-pages
@@ -377,6 +426,10 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
     subs = page_size // p.block_tokens
     k_pages = k_pages.reshape(num_pages * subs, p.block_tokens, num_kv_heads, head_dim)
     v_pages = v_pages.reshape(num_pages * subs, p.block_tokens, num_kv_heads, head_dim)
+    if quantized:   # a sub-page takes its slice of per-token scales, or its page's scale
+      sub = lambda sc: (sc.reshape(num_pages * subs, p.block_tokens, sc.shape[2])
+                        if sc.shape[1] > 1 else jnp.repeat(sc, subs, axis=0))
+      k_scales, v_scales = sub(k_scales), sub(v_scales)
     block_tables = (block_tables[:, :, None] * subs + jnp.arange(subs, dtype=block_tables.dtype)
                     ).reshape(num_seqs, max_pages_per_seq * subs)
     num_pages, max_pages_per_seq = num_pages * subs, max_pages_per_seq * subs
@@ -401,7 +454,16 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
   kernel = functools.partial(
       _kernel, group=group, block_q=p.block_q, num_splits=ns, pages_per_split=p.pages_per_split,
       block_tokens=p.block_tokens, scale=scale, soft_cap=soft_cap,
-      sliding_window=sliding_window, chunks=p.chunks, precision=precision, interpret=interpret)
+      sliding_window=sliding_window, chunks=p.chunks, precision=precision, interpret=interpret,
+      quantized=quantized)
+  scale_specs, scale_args = [], []
+  if quantized:
+    for sc in (k_scales, v_scales):   # one KV head's column of scales, or the shared one
+      per_head = sc.shape[2] > 1
+      scale_specs.append(pl.BlockSpec((num_pages, sc.shape[1], None),
+                                      lambda b, h, j, per_head=per_head: (0, 0, h if per_head
+                                                                          else 0)))
+      scale_args.append(sc.astype(jnp.float32))
   u, m, l = pl.pallas_call(
       kernel,
       grid=(num_seqs, num_kv_heads, p.num_row_blocks * ns),
@@ -411,7 +473,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
           pl.BlockSpec((None, None, p.block_rows, head_dim), lambda b, h, j: (b, h, j // ns, 0)),
           pl.BlockSpec((num_pages, page_size, None, head_dim), lambda b, h, j: (0, 0, h, 0)),
           pl.BlockSpec((num_pages, page_size, None, head_dim), lambda b, h, j: (0, 0, h, 0)),
-      ],
+      ] + scale_specs,
       out_specs=[
           pl.BlockSpec((None, None, None, p.block_rows, head_dim),
                        lambda b, h, j: (j % ns, b, h, j // ns, 0)),
@@ -426,7 +488,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
       compiler_params=plgpu.CompilerParams(num_warps=p.num_warps, num_stages=p.num_stages),
       interpret=interpret,
       name="ragged_paged_attention",
-  )(meta, tables, qr, k_pages, v_pages)
+  )(meta, tables, qr, k_pages, v_pages, *scale_args)
 
   o, lse = finalize(merge_along(Summary(m, l, u), axis=0))   # exact merge of the KV splits
 

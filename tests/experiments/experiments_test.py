@@ -10,10 +10,10 @@ import pytest
 
 from experiments import (allocator_waste, attention_bench, attention_overhead, block_manager_bench,
                          copy_eval, cpu_parts_bench, decode_round_bench, demo, depth_compile,
-                         dtype_bench, fragmentation, latency_bench, layer_loop_bench,
-                         mutation_score, ondevice_bench, page_size_sweep, pool_map, preemption,
-                         profile_step, rate_sweep, serve_bench, sharing, step_bench,
-                         train_copy_model)
+                         dtype_bench, fragmentation, kv_quant_bench, latency_bench,
+                         layer_loop_bench, mutation_score, ondevice_bench, page_size_sweep,
+                         pool_map, preemption, profile_step, rate_sweep, serve_bench, sharing,
+                         step_bench, train_copy_model)
 
 
 class ExperimentsTest(absltest.TestCase):
@@ -334,6 +334,35 @@ class ExperimentsTest(absltest.TestCase):
     self.assertEqual(dtype_bench.compare([[1, 2, 3], [4, 5]], [[1, 2, 9], [4, 5]]),
                      {"identical": 1, "of": 2, "mean_prefix_share": (2 / 3 + 1) / 2})
     self.assertIn("greedy answers identical", dtype_bench.format_result(r))
+
+  @pytest.mark.slow   # three engines (one per format) on the copy model: ~30 s
+  def test_kv_quant_bench(self):
+    from paged_jax import embedded, serve
+    loaded = serve.load_model(serve.ServeConfig())
+    r = kv_quant_bench.run(embedded.EMBEDDED_MODEL_DIR, formats="int8:token,float8_e5m2:page",
+                           num_prompts=4, max_tokens=8, page_size=4, budget_tokens=24,
+                           ppl_chunk=32, error_prompts=2, warmup=False, loaded=loaded,
+                           progress=lambda *_: None)
+    rows = r["formats"]
+    self.assertEqual(list(rows), ["auto", "int8:token", "float8_e5m2:page"])   # baseline first
+    base, int8, fp8 = rows.values()
+    self.assertEqual(base["attention_error"]["real"]["rel"], 0.0)
+    self.assertEqual(base["agreement"]["identical"], 4)
+    self.assertEqual(base["capacity_tokens"], 24)     # the budget: 7 f32 pages, NULL_PAGE one
+    self.assertGreater(int8["capacity_ratio"], 3.0)    # ~4x codes, less the scales
+    self.assertGreater(base["preemptions"], 0)         # the budget binds the baseline ...
+    self.assertEqual(int8["preemptions"], 0)           # ... and not int8
+    for row in (int8, fp8):
+      err = row["attention_error"]
+      self.assertGreater(err["real"]["rel"], 0.0)      # quantized: some error, and small
+      self.assertLess(err["real"]["rel"], 0.1)
+      self.assertGreater(row["perplexity"], 1.0)
+      self.assertEqual(row["ppl_tokens"], base["ppl_tokens"])
+    # int8 per token is the finer format: less error than fp8 e5m2 (2 mantissa bits)
+    self.assertLess(int8["attention_error"]["random"]["rel"], fp8["attention_error"]["random"]["rel"])
+    self.assertIn("| int8:token |", kv_quant_bench.format_result(r))
+    with self.assertRaisesRegex(ValueError, "kv_dtype='int3' is not one of"):
+      kv_quant_bench.parse_formats("int3")
 
   @pytest.mark.slow   # ~10-14 s on a usual day, over 20 s on a slow one (the README tier's bound)
   def test_serve_bench_skips_vllm_it_cannot_install(self):

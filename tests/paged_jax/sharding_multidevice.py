@@ -213,6 +213,21 @@ class EngineTest(parameterized.TestCase):
       self.assertEqual(len(set().union(*(e.pool.k.sharding.device_set for e in replicas))),
                        data * model)
 
+  @parameterized.parameters((4, "page"), (8, "tensor"), (2, "token"))
+  def test_quantized_pool_equals_one_device(self, model, granularity):
+    # int8 pages with their scales split over the heads (replicated where a head is, or where
+    # there is one per tensor): the same tokens as the same format on one device.
+    kw = _engine_kw()
+    kw["cache"] = CacheConfig(page_size=PAGE, num_pages=14, kv_dtype="int8",
+                              kv_scales=granularity)
+    ref = _run(Engine(PARAMS, CFG, **kw))
+    mesh = sharding.make_mesh(1, model)
+    engine = Engine(PARAMS, CFG, mesh=mesh, **kw)
+    self.assertEqual(_run(engine), ref)
+    self.assertGreater(engine.stats.swapped_out_pages, 0)   # the scales went to host and back
+    self.assertTrue(_split_by_heads(engine.pool.k, engine.mesh))
+    self.assertEqual(len(engine.pool.k_scale.sharding.device_set), model)
+
   def test_data_parallel_bookkeeping(self):
     engine = DataParallelEngine(PARAMS, CFG, mesh=sharding.make_mesh(2, 1), **_engine_kw())
     sp = SamplingParams(max_tokens=6, temperature=0.0)

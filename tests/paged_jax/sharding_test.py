@@ -107,7 +107,8 @@ class TensorParallelLayoutTest(parameterized.TestCase):
     self.assertEqual(sharding.shard_pool(KVPool.create(**kw), mesh).v.shape, (1, 4, 2, 3, 4))
     with self.assertRaisesRegex(ValueError, "a pool of 3 KV heads does not divide across "
                                             "model=2"):
-      sharding._pool_sharding(jax.sharding.AbstractMesh((1, 2), ("data", "model")), 3)
+      sharding._pool_sharding(jax.sharding.AbstractMesh((1, 2), ("data", "model")),
+                              KVPool.create(**kw))
 
   def test_budget_per_device(self):
     # A byte budget is per device: each of `model` devices holds 1 / model of every page, so the
