@@ -258,12 +258,16 @@ def reusable(path: str = _RESULTS_JSONL, triton: str = TRITON_VERSION) -> dict:
   record in `path`, when pip triton `triton` compiled it; {} otherwise. A kernel's key is its
   Triton IR, warps and stages, so the same key compiled by the same triton gives the same
   figures: `check` need not compile it again (CI lowers the whole matrix and compiles only the
-  kernels the committed matrix has not, plus a spot check of the rest)."""
-  rec = newest_matrix(path)
-  if rec is None or rec.get("triton") != triton:
-    return {}
-  return {(r["key"], r["arch"]): {k: r.get(k) for k in FIGURES}
-          for r in rec["rows"] if r.get("key") and r.get("pass")}
+  kernels the committed matrix has not, plus a spot check of the rest). The newest quantized
+  sub-matrix record (kind "quantized_matrix": a run with --head_dims= compiles it alone) adds
+  its rows."""
+  out = {}
+  for rec in (newest_matrix(path, "quantized_matrix"), newest_matrix(path)):
+    if rec is None or rec.get("triton") != triton:
+      continue
+    out.update({(r["key"], r["arch"]): {k: r.get(k) for k in FIGURES}
+                for r in rec["rows"] if r.get("key") and r.get("pass")})
+  return out
 
 
 def spot_sample(pairs, n: int) -> set:
@@ -509,11 +513,14 @@ def main(argv):
         f"{len(archs)} archs; {len(rows) - len(failed)}/{len(rows)} pass (no error, no spill, "
         f"shared memory within the launch limit); lowering {t_lower:.0f} s, "
         f"total {time.time() - t0:.0f} s")
-  output.record(dict(kind="matrix_legacy_tiles" if FLAGS.legacy_tiles else "matrix",
+  main_matrix = bool(FLAGS.head_dims) and bool(FLAGS.dtypes)
+  kind = ("matrix_legacy_tiles" if FLAGS.legacy_tiles else
+          "matrix" if main_matrix else "quantized_matrix")
+  output.record(dict(kind=kind,
                      date=time.strftime("%Y-%m-%d"), jax=jax.__version__, triton=TRITON_VERSION,
                      rows=[{k: r.get(k) for k in _KEEP} for r in rows]),
                 FLAGS.results_dir, "kernel_ptx")
-  if FLAGS.write_table and not FLAGS.legacy_tiles:
+  if FLAGS.write_table and kind == "matrix":
     write_table(table, "python -m experiments.kernel_ptx --write_table",
                 f"jax {jax.__version__}, triton {TRITON_VERSION}, {time.strftime('%Y-%m-%d')}")
   return 1 if failed else 0
@@ -525,14 +532,15 @@ _KEEP = ("reused", "ok", "label", "dtype", "precision", "head_dim", "page_size",
 
 
 
-def newest_matrix(path: str = _RESULTS_JSONL) -> dict | None:
-  """The newest whole-matrix record (kind "matrix") of a kernel_ptx.jsonl; None when none."""
+def newest_matrix(path: str = _RESULTS_JSONL, kind: str = "matrix") -> dict | None:
+  """The newest record of `kind` ("matrix": the whole matrix) of a kernel_ptx.jsonl; None when
+  none."""
   newest = None
   if os.path.exists(path):
     with open(path) as fh:
       for line in fh:
         rec = json.loads(line)
-        if rec.get("kind") == "matrix":
+        if rec.get("kind") == kind:
           newest = rec
   return newest
 

@@ -7,6 +7,7 @@ and the engine's greedy tokens equal to a dense reference that stores K/V as the
 from unittest import mock
 
 from absl.testing import absltest, parameterized
+import pytest
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -257,6 +258,7 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [3, 1, 4, 1, 5, 9, 2, 6, 5], [42], [5, 6,
 
 class EngineTest(parameterized.TestCase):
 
+  @pytest.mark.slow   # two engines under preemption, ~12 s each (README tier: 651 s)
   @parameterized.parameters(("int8", "token", "swap"), ("float8_e4m3fn", "tensor", "recompute"))
   def test_greedy_equals_dense_with_kv_stored_alike(self, dtype, granularity, mode):
     fmt = kv_quant.KVFormat(dtype, granularity)

@@ -5,6 +5,7 @@ right tokens so far; a NaN-filled initial pool changes nothing; one trace per sh
 host transfer during the call."""
 
 from absl.testing import absltest, parameterized
+import pytest
 import chex
 import jax
 import jax.numpy as jnp
@@ -55,6 +56,7 @@ class OnDeviceTest(parameterized.TestCase):
     ptm.check_invariants(out.page_table)
     self.assertEqual(int(out.page_table.num_free), 63)   # every page back
 
+  @pytest.mark.slow   # ~20-33 s: out of the README tier (651 s on 2026-12-03)
   @parameterized.parameters(2, 4)
   def test_parallel_samples_share_and_copy(self, page_size):
     # Greedy n = 3: every sample is the dense sequence (a missed copy-on-write would let the
@@ -99,6 +101,7 @@ class OnDeviceTest(parameterized.TestCase):
     ptm.check_invariants(out.page_table)
     self.assertEqual(int(out.page_table.num_free), 11)
 
+  @pytest.mark.slow   # ~20-33 s: out of the README tier (651 s on 2026-12-03)
   def test_nan_pool_changes_nothing(self):
     nan = KVPool.create(num_layers=CFG.num_layers, num_pages=64, page_size=4,
                         num_kv_heads=CFG.num_kv_heads, head_dim=CFG.head_dim, dtype=CFG.dtype)

@@ -79,6 +79,7 @@ class FaultTest(parameterized.TestCase):
     self.assertTrue(all(o.outputs[0].finish_reason == "length" for o in outs))
     no_leaks(self, e)
 
+  @pytest.mark.slow   # ~20-33 s: out of the README tier (651 s on 2026-12-03)
   def test_a_request_that_always_fails_fails_alone_with_its_reason(self):
     marker = 63
     faults = Faults(marker=marker)

@@ -6,6 +6,7 @@ import os
 import tempfile
 
 from absl.testing import absltest
+import pytest
 import numpy as np
 
 from paged_jax import serve, workloads
@@ -52,6 +53,7 @@ class ServeTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, r"requests.jsonl:4: unknown keys \['temprature'\]"):
       serve.run(serve.ServeConfig(prompts_file=path, progress=False), MODEL)
 
+  @pytest.mark.slow   # ~20-33 s: out of the README tier (651 s on 2026-12-03)
   def test_synthetic_workload_with_arrivals_and_preemption(self):
     # A pool of 40 pages of 4 tokens for 24 requests arriving at 2,000/s: it fills and preempts.
     r = serve.run(serve.ServeConfig(workload="alpaca", num_requests=24, request_rate=2000.0,
