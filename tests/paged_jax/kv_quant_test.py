@@ -258,8 +258,8 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [3, 1, 4, 1, 5, 9, 2, 6, 5], [42], [5, 6,
 
 class EngineTest(parameterized.TestCase):
 
-  @pytest.mark.slow   # two engines under preemption, ~12 s each (README tier: 651 s)
   @parameterized.parameters(("int8", "token", "swap"), ("float8_e4m3fn", "tensor", "recompute"))
+  @pytest.mark.slow   # two engines under preemption, ~12 s each (README tier: 651 s)
   def test_greedy_equals_dense_with_kv_stored_alike(self, dtype, granularity, mode):
     fmt = kv_quant.KVFormat(dtype, granularity)
     dense = testing.DenseGreedy(PARAMS, CFG, kv_format=fmt)

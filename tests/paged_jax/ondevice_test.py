@@ -56,8 +56,8 @@ class OnDeviceTest(parameterized.TestCase):
     ptm.check_invariants(out.page_table)
     self.assertEqual(int(out.page_table.num_free), 63)   # every page back
 
-  @pytest.mark.slow   # ~20-33 s: out of the README tier (651 s on 2026-12-03)
   @parameterized.parameters(2, 4)
+  @pytest.mark.slow   # ~20-33 s: out of the README tier (651 s on 2026-12-03)
   def test_parallel_samples_share_and_copy(self, page_size):
     # Greedy n = 3: every sample is the dense sequence (a missed copy-on-write would let the
     # samples overwrite each other's partial page).
