@@ -1,8 +1,9 @@
 """Pure device functions for what the block manager asks of the pool: copy-on-write, swap, scrub.
 
 Each acts on every array the pool indexes by page (`KVPool.page_arrays`: K and V, and a quantized
-pool's scales), so the scales follow the pages. `copy_pages` is jitted with the pool donated. Pad `src`/`dst` with NULL_PAGE -> NULL_PAGE pairs
-to a few bucket sizes so it compiles once per bucket (a NULL_PAGE self-copy is harmless).
+pool's scales), so the scales follow the pages. `copy_pages` is jitted with the pool donated.
+Pad `src`/`dst` with NULL_PAGE -> NULL_PAGE pairs to a few bucket sizes so it compiles once per
+bucket (a NULL_PAGE self-copy is harmless).
 """
 
 from __future__ import annotations

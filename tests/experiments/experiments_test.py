@@ -359,7 +359,8 @@ class ExperimentsTest(absltest.TestCase):
       self.assertGreater(row["perplexity"], 1.0)
       self.assertEqual(row["ppl_tokens"], base["ppl_tokens"])
     # int8 per token is the finer format: less error than fp8 e5m2 (2 mantissa bits)
-    self.assertLess(int8["attention_error"]["random"]["rel"], fp8["attention_error"]["random"]["rel"])
+    self.assertLess(int8["attention_error"]["random"]["rel"],
+                    fp8["attention_error"]["random"]["rel"])
     self.assertIn("| int8:token |", kv_quant_bench.format_result(r))
     with self.assertRaisesRegex(ValueError, "kv_dtype='int3' is not one of"):
       kv_quant_bench.parse_formats("int3")
