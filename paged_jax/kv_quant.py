@@ -173,7 +173,9 @@ def write_layer(codes: jax.Array, scales: jax.Array, x: jax.Array, slots: jax.Ar
     q = quantize(x, s, fmt)
     return (codes.at[page, offset].set(q), scales.at[page, 0].set(fmt.tensor_scale),
             dequantize(q, s, x.dtype)[:slots.shape[0]])
-  # "page": a page's scale is the running absmax of what it holds. A write at offset 0 starts
+  # "page": a page's scale is the running absmax of what it holds. Cost: each written token
+  # gathers and rewrites its whole page (page_size x a token's bytes; a prefill chunk's pages
+  # once per token in them), the price of one scale per page. A write at offset 0 starts
   # a fresh page (drop the old scale: the page may have been freed and reused); then raise each
   # touched page's scale to cover the new tokens, requantize the page's existing codes to it
   # (duplicate pages in `page` compute the same values, so the scatter order does not matter),
