@@ -78,6 +78,8 @@ flags.DEFINE_list("kv_formats", list(QUANTIZED_FORMATS),
 flags.DEFINE_list("kv_head_dims", ["64", "128"], "Head dims of the quantized sub-matrix.")
 flags.DEFINE_string("triton_python", ".venv-ptx/bin/python",
                     f"A python with triton=={TRITON_VERSION} (built there if missing).")
+flags.DEFINE_integer("lower_workers", min(4, os.cpu_count() or 1),
+                     "Processes that lower the configurations (JAX tracing, one core each).")
 flags.DEFINE_string("keep", None, "Keep TTIR / PTX / cubin of every kernel in this directory.")
 flags.DEFINE_string("results_dir", output.RESULTS, "Where kernel_ptx.jsonl goes ('' for none).")
 flags.DEFINE_bool("write_table", False, "Rewrite the table in WORKSPACE.md.")
@@ -182,6 +184,39 @@ def lower(cfg: Config, block_sizes: kernel_triton.BlockSizes = kernel_triton.Blo
   """The Triton kernels of one configuration, lowered for CUDA on this machine."""
   fn, args = _call(cfg, block_sizes)
   return triton_ir.triton_kernels(triton_ir.lower_for_cuda(fn, *args))
+
+
+def _lower_chunk(cfgs: list[Config], legacy_tiles: bool) -> list[tuple]:
+  """[(configuration, its kernels or None, None or the lowering error)] for `cfgs`."""
+  out = []
+  for cfg in cfgs:
+    try:
+      kernels = lower(cfg, legacy_block_sizes(cfg) if legacy_tiles else kernel_triton.BlockSizes())
+      if not kernels:
+        raise RuntimeError("no Triton call in the lowered module")
+      out.append((cfg, kernels, None))
+    except Exception as e:  # the caller reports it as that configuration's failure
+      out.append((cfg, None, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"))
+  return out
+
+
+def lower_all(cfgs: list[Config], legacy_tiles: bool = False, workers: int = 1) -> list[tuple]:
+  """`_lower_chunk` of every configuration, in order, spread over `workers` processes.
+
+  Lowering is JAX tracing in Python, one core each: the whole matrix (1,164 configurations)
+  took 226-246 s in one process here, most of CI's PTX stage once the figures are reused."""
+  if workers <= 1 or len(cfgs) < 2 * workers:
+    return _lower_chunk(cfgs, legacy_tiles)
+  import concurrent.futures
+  import multiprocessing
+  chunks = [cfgs[i::workers] for i in range(workers)]   # interleaved: alike costs per worker
+  with concurrent.futures.ProcessPoolExecutor(
+      workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+    parts = list(pool.map(_lower_chunk, chunks, [legacy_tiles] * workers))
+  out = [None] * len(cfgs)
+  for i, part in enumerate(parts):
+    out[i::workers] = part
+  return out
 
 
 def find_ptxas() -> str | None:
@@ -474,17 +509,12 @@ def main(argv):
     cfgs += quantized_matrix([f for f in FLAGS.kv_formats if f], FLAGS.kv_head_dims)
   t0 = time.time()
   cfg_kernels, rows = [], []
-  for cfg in cfgs:
-    try:
-      kernels = lower(cfg, legacy_block_sizes(cfg) if FLAGS.legacy_tiles else
-                      kernel_triton.BlockSizes())
-      if not kernels:
-        raise RuntimeError("no Triton call in the lowered module")
+  for cfg, kernels, error in lower_all(cfgs, FLAGS.legacy_tiles, FLAGS.lower_workers):
+    if error is None:
       cfg_kernels.append((cfg, kernels))
-    except Exception as e:  # a lowering error is a compile failure: report it, go on
+    else:   # a lowering error is a compile failure: report it, go on
       rows += [dict(dataclasses.asdict(cfg), label=cfg.label, arch=int(a), ok=False,
-                    problems=[f"lowering: {type(e).__name__}: {str(e).splitlines()[0][:300]}"])
-               for a in FLAGS.archs]
+                    problems=[f"lowering: {error}"]) for a in FLAGS.archs]
   t_lower = time.time() - t0
   archs = [int(a) for a in FLAGS.archs]
   with tempfile.TemporaryDirectory() as tmp:

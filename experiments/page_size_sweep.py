@@ -37,6 +37,7 @@ class SweepConfig:
   workloads: tuple[str, ...] = ("sharegpt", "alpaca")
   waste_requests: int = 1000
   serve_requests: int = 64
+  serve_max_tokens: int | None = None   # None: each request's own output length (the workload's)
   attention_seqs: int = 8
   attention_len: int = 1024
   attention_head_dim: int = 64
@@ -57,7 +58,8 @@ def run(cfg: SweepConfig, progress=print) -> dict:
       row[f"{w}_waste"] = 1 - sim["token_state_fraction"]
       row[f"{w}_real_data_waste"] = REAL_DATA_WASTE[w].get(ps)
       r = serve.run(serve.ServeConfig(workload=w, num_requests=cfg.serve_requests, page_size=ps,
-                                      warmup="workload", progress=False), model=model)
+                                      max_tokens=cfg.serve_max_tokens, warmup="workload",
+                                      progress=False), model=model)
       row[f"{w}_tokens_per_s"] = r["output_tokens_per_s"]
     a = attention_overhead.paged_vs_contiguous(
         copy_bw, num_seqs=cfg.attention_seqs, seq_len=cfg.attention_len, page_size=ps,
@@ -102,7 +104,7 @@ def plot(result: dict, path: str) -> str:
 
 def main(_):
   run(SweepConfig(page_sizes=tuple(int(p) for p in _PAGE_SIZES.value),
-                  serve_requests=_NUM_REQUESTS.value))
+                  serve_requests=_NUM_REQUESTS.value, serve_max_tokens=_MAX_TOKENS.value))
 
 
 if __name__ == "__main__":
@@ -110,4 +112,6 @@ if __name__ == "__main__":
                                   "Page sizes.")
   _NUM_REQUESTS = flags.DEFINE_integer("num_requests", SweepConfig.serve_requests,
                                        "Requests per serving run.")
+  _MAX_TOKENS = flags.DEFINE_integer("max_tokens", None, "Output tokens per request in the "
+                                     "serving runs (default: the workload's own lengths).")
   app.run(main)

@@ -12,6 +12,7 @@ import os
 import tempfile
 
 from absl.testing import absltest, parameterized
+import pytest
 import jax
 import jax.numpy as jnp
 
@@ -116,6 +117,20 @@ class MatrixTest(absltest.TestCase):
     [tf32] = kernel_ptx.lower(kernel_ptx.Config("float32", "default", 128, 16, "prefill", 4,
                                                 "window+cap"))
     self.assertNotEqual(tf32.ttir, kernel.ttir)
+
+  @pytest.mark.slow   # two spawned processes that import JAX: ~8 s of start-up here
+  def test_lowering_in_processes_gives_the_same_kernels_in_order(self):
+    cfgs = kernel_ptx.matrix(["bfloat16", "float32"], ["highest"], [64], [16],
+                             ["decode", "prefill"], [1, 4], ["plain"])
+    cfgs.append(kernel_ptx.Config("float32", "no-such-precision", 64, 16, "decode", 1, "plain"))
+    serial = kernel_ptx.lower_all(cfgs, workers=1)
+    parallel = kernel_ptx.lower_all(cfgs, workers=2)
+    self.assertEqual([r[0] for r in parallel], cfgs)
+    self.assertEqual([r[1] for r in parallel], [r[1] for r in serial])
+    # A configuration that cannot lower comes back as its error, in its place, from either path.
+    self.assertIn("no-such-precision", serial[-1][2])
+    self.assertEqual(parallel[-1][2], serial[-1][2])
+    self.assertTrue(all(r[2] is None for r in parallel[:-1]))
 
   def _sample(self, rec):
     """Three configurations per (dtype, precision, head_dim) of the matrix, so that every branch
