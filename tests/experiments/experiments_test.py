@@ -219,14 +219,20 @@ class ExperimentsTest(absltest.TestCase):
   @pytest.mark.slow
   def test_serve_bench_against_transformers(self):
     # Every engine in its own process, at a tiny shape: same greedy tokens, floors reported.
-    # (vLLM: test_serve_bench_vllm_peer, where its venv exists.)
+    # vLLM from a venv path that cannot be created: its row says why and is skipped, the rest
+    # runs (vLLM itself: test_serve_bench_vllm_peer, where its venv exists).
     engines = ("paged_jax", "hf_generate", "hf_cb")
     cfg = serve_bench.BenchConfig(preset="tiny", vocab_size=64, num_requests=3, min_prompt=4,
                                   max_prompt=20, new_tokens=5, repetitions=1, page_size=4,
-                                  steps_per_sync=2, engines=engines)
-    r = serve_bench.run(cfg, progress=lambda *_: None)
+                                  steps_per_sync=2, engines=engines + ("vllm",),
+                                  vllm_python="/proc/no-such-venv/bin/python")
+    lines = []
+    r = serve_bench.run(cfg, progress=lines.append)
     self.assertTrue(r["identical_tokens"], r["tokens_differ"])
     self.assertEqual(set(r["engines"]), set(engines))
+    self.assertIn("venv /proc/no-such-venv` failed", r["skipped"]["vllm"])
+    self.assertTrue(any("vllm: SKIPPED" in x for x in lines), lines)
+    self.assertIn("vllm         SKIPPED", serve_bench.format_result(r))
     ours = r["engines"]["paged_jax"]
     self.assertGreater(ours["x_hf_generate"], 0)
     self.assertGreater(ours["prefill_floor_s"], 0)
@@ -364,20 +370,6 @@ class ExperimentsTest(absltest.TestCase):
     self.assertIn("| int8:token |", kv_quant_bench.format_result(r))
     with self.assertRaisesRegex(ValueError, "kv_dtype='int3' is not one of"):
       kv_quant_bench.parse_formats("int3")
-
-  @pytest.mark.slow   # ~10-14 s on a usual day, over 20 s on a slow one (the README tier's bound)
-  def test_serve_bench_skips_vllm_it_cannot_install(self):
-    # A venv path that cannot be created: the vllm row says why and is skipped, the rest runs.
-    cfg = serve_bench.BenchConfig(preset="tiny", vocab_size=64, num_requests=2, min_prompt=4,
-                                  max_prompt=8, new_tokens=3, repetitions=1, page_size=4,
-                                  engines=("paged_jax", "vllm"),
-                                  vllm_python="/proc/no-such-venv/bin/python")
-    lines = []
-    r = serve_bench.run(cfg, progress=lines.append)
-    self.assertEqual(set(r["engines"]), {"paged_jax"})
-    self.assertIn("venv /proc/no-such-venv` failed", r["skipped"]["vllm"])
-    self.assertTrue(any("vllm: SKIPPED" in x for x in lines), lines)
-    self.assertIn("vllm         SKIPPED", serve_bench.format_result(r))
 
   @pytest.mark.slow
   @absltest.skipUnless(os.environ.get("PAGED_JAX_VLLM_PYTHON"),
