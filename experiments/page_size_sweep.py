@@ -3,6 +3,7 @@ sizes 1 to 128, on the ShareGPT-like and Alpaca-like workloads.
 
   python -m experiments.page_size_sweep
   python -m experiments.page_size_sweep --page_sizes=4,16,64 --num_requests=32
+  python -m experiments.page_size_sweep --max_tokens=8   # serving runs capped at 8 output tokens
 
 Three measurements per page size:
   waste        1 - the share of reserved KV slots that hold token states, averaged over the steps
