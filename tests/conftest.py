@@ -16,7 +16,7 @@
   caller set in JAX_COMPILATION_CACHE_DIR (mutation_score's) is left as it is.
 - XLA compiles fast rather than well (`fast_compile_flags`, appended to XLA_FLAGS before jax
   starts, inherited like the cache); PAGED_JAX_TEST_FAST_COMPILE=0 compiles at XLA's defaults
-  (`.ci/run`'s jax 0.11 stage does, so CI also runs the kernel, attention and isolation tests
+  (`.ci/run`'s jax 0.11 stage does, so CI also runs the kernel, attention and CPU-lowering tests
   on the programs users get).
 - GGUF loads keep their converted-model cache (`gguf_file.converted_cache_dir`) in a temporary
   folder of the process, removed at exit, not in ~/.cache (PAGED_JAX_GGUF_CACHE, unless set).
