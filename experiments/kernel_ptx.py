@@ -33,6 +33,7 @@ kernel-resources markers of WORKSPACE.md.
 from __future__ import annotations
 
 import dataclasses
+import collections
 import glob
 import hashlib
 import itertools
@@ -63,43 +64,49 @@ FEATURES = ("plain", "window+cap")
 # The quantized pages of `paged_jax.kv_quant` the kernel dequantizes: codes and their scales.
 QUANTIZED_FORMATS = ("int8:token", "int8:page", "float8_e4m3fn:tensor", "float8_e5m2:tensor")
 
-flags.DEFINE_list("dtypes", ["bfloat16", "float32"], "Input dtypes.")
-flags.DEFINE_list("precisions", list(kernel_triton.PRECISIONS), "f32 precisions (bf16 has one).")
-flags.DEFINE_list("head_dims", ["64", "80", "96", "128", "256"], "Head dims.")
-flags.DEFINE_list("page_sizes", ["1", "16", "64"], "Page sizes.")
-flags.DEFINE_list("modes", list(MODES), f"Batch kinds: {', '.join(MODES)}.")
-flags.DEFINE_list("groups", ["1", "4", "8"], "Query heads per KV head.")
-flags.DEFINE_list("features", list(FEATURES), "plain, window+cap (sliding window and soft cap).")
-flags.DEFINE_list("archs", ["80", "90"], "Compute capabilities to compile for.")
-flags.DEFINE_list("kv_formats", list(QUANTIZED_FORMATS),
-                  "Quantized page formats (kv_dtype:kv_scales) compiled on a sub-matrix: "
-                  "--kv_head_dims, page 16, every mode, group 4, plain, bf16 and f32/highest "
-                  "('' for none).")
-flags.DEFINE_list("kv_head_dims", ["64", "128"], "Head dims of the quantized sub-matrix.")
-flags.DEFINE_string("triton_python", ".venv-ptx/bin/python",
-                    f"A python with triton=={TRITON_VERSION} (built there if missing).")
-flags.DEFINE_integer("lower_workers", min(4, os.cpu_count() or 1),
-                     "Processes that lower the configurations (JAX tracing, one core each).")
-flags.DEFINE_string("keep", None, "Keep TTIR / PTX / cubin of every kernel in this directory.")
-flags.DEFINE_string("results_dir", output.RESULTS, "Where kernel_ptx.jsonl goes ('' for none).")
-flags.DEFINE_bool("write_table", False, "Rewrite the table in WORKSPACE.md.")
-flags.DEFINE_string("reuse", None, "Take the figures of kernels (same key, arch and triton) the "
-                    "newest whole-matrix record of this kernel_ptx.jsonl compiled and passed "
-                    "instead of compiling them again; the rest are compiled (CI: the committed "
-                    "experiments/results/kernel_ptx.jsonl).")
-flags.DEFINE_integer("spot_check", 0, "With --reuse: compile this many of the reused kernels "
-                     "anyway and fail where their figures differ from the reused ones.")
-flags.DEFINE_string("table_from", None, "Rewrite WORKSPACE.md's table from the newest whole-matrix "
-                    "record of this kernel_ptx.jsonl (e.g. CI's PTX_RESULTS_DIR) without compiling.")
-flags.DEFINE_bool("errors", False, "Measure each precision's error in interpret mode instead.")
-flags.DEFINE_bool("legacy_tiles", False,
-                  "Compile with the tiles the kernel used before default_tiles (64 rows, 64 keys per "
-                  "step, 4 warps, whole power-of-two head_dim dots) instead: the control.")
-flags.DEFINE_enum("source", "triton", ["triton", "xla"],
-                  "triton: pip triton's compiler on this machine (no GPU needed); xla: compile on "
-                  "this machine's GPU with XLA's own Triton and read its PTX with ptxas "
-                  "(gpu_check.sh; needs XLA_FLAGS=--xla_dump_to=--dump_dir).")
-flags.DEFINE_string("dump_dir", "/tmp/paged_jax_xla_dump", "XLA's dump directory (--source=xla).")
+
+def define_flags():
+  """The script's flags, defined only when it runs as one: scripts that import this module
+  (attention_bench's kernel note) have flags of their own, some with the same names."""
+  flags.DEFINE_list("dtypes", ["bfloat16", "float32"], "Input dtypes.")
+  flags.DEFINE_list("precisions", list(kernel_triton.PRECISIONS), "f32 precisions (bf16 has one).")
+  flags.DEFINE_list("head_dims", ["64", "80", "96", "128", "256"], "Head dims.")
+  flags.DEFINE_list("page_sizes", ["1", "16", "64"], "Page sizes.")
+  flags.DEFINE_list("modes", list(MODES), f"Batch kinds: {', '.join(MODES)}.")
+  flags.DEFINE_list("groups", ["1", "4", "8"], "Query heads per KV head.")
+  flags.DEFINE_list("features", list(FEATURES), "plain, window+cap (sliding window and soft cap).")
+  flags.DEFINE_list("archs", ["80", "90"], "Compute capabilities to compile for.")
+  flags.DEFINE_list("kv_formats", list(QUANTIZED_FORMATS),
+                    "Quantized page formats (kv_dtype:kv_scales) compiled on a sub-matrix: "
+                    "--kv_head_dims, page 16, every mode, group 4, plain, bf16 and f32/highest "
+                    "('' for none).")
+  flags.DEFINE_list("kv_head_dims", ["64", "128"], "Head dims of the quantized sub-matrix.")
+  flags.DEFINE_string("triton_python", ".venv-ptx/bin/python",
+                      f"A python with triton=={TRITON_VERSION} (built there if missing).")
+  flags.DEFINE_integer("lower_workers", min(4, os.cpu_count() or 1),
+                       "Processes that lower the configurations (JAX tracing, one core each).")
+  flags.DEFINE_string("keep", None, "Keep TTIR / PTX / cubin of every kernel in this directory.")
+  flags.DEFINE_string("results_dir", output.RESULTS, "Where kernel_ptx.jsonl goes ('' for none).")
+  flags.DEFINE_bool("write_table", False, "Rewrite the table in WORKSPACE.md.")
+  flags.DEFINE_string("reuse", None, "Take the figures of kernels (same key, arch and triton) the "
+                      "newest whole-matrix record of this kernel_ptx.jsonl compiled and passed "
+                      "instead of compiling them again; the rest are compiled (CI: the committed "
+                      "experiments/results/kernel_ptx.jsonl).")
+  flags.DEFINE_integer("spot_check", 0, "With --reuse: compile this many of the reused kernels "
+                       "anyway and fail where their figures differ from the reused ones.")
+  flags.DEFINE_string("table_from", None, "Rewrite WORKSPACE.md's table from the newest whole-matrix "
+                      "record of this kernel_ptx.jsonl (e.g. CI's PTX_RESULTS_DIR) without compiling.")
+  flags.DEFINE_bool("errors", False, "Measure each precision's error in interpret mode instead.")
+  flags.DEFINE_bool("legacy_tiles", False,
+                    "Compile with the tiles the kernel used before default_tiles (64 rows, 64 keys per "
+                    "step, 4 warps, whole power-of-two head_dim dots) instead: the control.")
+  flags.DEFINE_enum("source", "triton", ["triton", "xla"],
+                    "triton: pip triton's compiler on this machine (no GPU needed); xla: compile on "
+                    "this machine's GPU with XLA's own Triton and read its PTX with ptxas "
+                    "(gpu_check.sh; needs XLA_FLAGS=--xla_dump_to=--dump_dir).")
+  flags.DEFINE_string("dump_dir", "/tmp/paged_jax_xla_dump", "XLA's dump directory (--source=xla).")
+
+
 FLAGS = flags.FLAGS
 
 
@@ -232,6 +239,16 @@ def find_ptxas() -> str | None:
   return shutil.which("ptxas")
 
 
+def dump_inventory(dump_dir: str) -> str:
+  """What a dump directory holds, by file suffix (a count and one example of each)."""
+  kinds = collections.defaultdict(list)
+  for root, _, files in os.walk(dump_dir):
+    for name in files:
+      kinds[name.rsplit(".", 1)[-1] if "." in name else ""].append(os.path.join(root, name))
+  return ", ".join(f"{len(v)} .{k} (e.g. {os.path.relpath(v[0], dump_dir)})"
+                   for k, v in sorted(kinds.items())) or "nothing"
+
+
 def xla_resources(cfgs: list[Config], dump_dir: str, ptxas: str) -> list[dict]:
   """On a GPU: compiles each configuration with XLA (its own pinned Triton), reads the PTX XLA
   dumps (XLA_FLAGS=--xla_dump_to=dump_dir, set before jax starts) with `ptxas -v`, and returns
@@ -240,9 +257,10 @@ def xla_resources(cfgs: list[Config], dump_dir: str, ptxas: str) -> list[dict]:
   warps only)."""
   device = jax.devices()[0]
   arch = int(str(getattr(device, "compute_capability", "0")).replace(".", ""))
+  ptx_files = lambda: set(glob.glob(os.path.join(dump_dir, "**", "*.ptx"), recursive=True))
   rows = []
   for cfg in cfgs:
-    before = set(glob.glob(os.path.join(dump_dir, "*.ptx")))
+    before = ptx_files()
     fn, args = _call(cfg)
     row = dict(dataclasses.asdict(cfg), label=cfg.label, arch=arch, source="xla")
     try:
@@ -251,13 +269,14 @@ def xla_resources(cfgs: list[Config], dump_dir: str, ptxas: str) -> list[dict]:
       [kernel] = triton_ir.triton_kernels(lowered)
       row.update(num_warps=kernel.num_warps, num_stages=kernel.num_stages)
       entries = {}
-      for path in sorted(set(glob.glob(os.path.join(dump_dir, "*.ptx"))) - before):
+      for path in sorted(ptx_files() - before):
         proc = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}", path, "-o", os.devnull],
                               capture_output=True, text=True)
         entries.update(ptx_compile.parse_ptxas_entries(proc.stderr + proc.stdout))
       mine = {k: v for k, v in entries.items() if "ragged_paged_attention" in k} or entries
       if not mine:
-        raise RuntimeError(f"no PTX entry found in {dump_dir} (is XLA_FLAGS=--xla_dump_to set?)")
+        raise RuntimeError(f"no PTX entry found in {dump_dir} (is XLA_FLAGS=--xla_dump_to set?); "
+                           f"it holds {dump_inventory(dump_dir)}")
       name, res = max(mine.items(), key=lambda kv: kv[1]["regs"] or 0)
       row.update(ok=True, entry=name, shared=None, **res)
       spilled = (res.get("spill_stores") or 0) + (res.get("spill_loads") or 0)
@@ -644,4 +663,5 @@ def main_xla() -> int:
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -13,7 +13,7 @@ from absl.testing import absltest, parameterized
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax import config, testing
+from paged_jax import attention, config, testing
 from paged_jax.config import CacheConfig
 from paged_jax.engine import Engine
 from paged_jax.host import batching
@@ -71,6 +71,14 @@ def run(engine, target_first, fill=None, seed=0):
   return final, poisoned_steps
 
 
+def skip_without_compiled_kernel(test, impl):
+  """Skips `test`, saying why, when `impl` is the compiled kernel and this device cannot run it
+  (every CPU: the interpret-mode cases cover the kernel's logic there)."""
+  reason = attention.kernel_unavailable_reason(CFG.head_dim, 2)
+  if impl == "pallas" and reason is not None:
+    test.skipTest(f"compiled kernel: {reason}")
+
+
 class PoisonedPagesTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
@@ -83,8 +91,12 @@ class PoisonedPagesTest(parameterized.TestCase):
       ("xla_nan_recompute", "xla", "nan", False, "recompute", False),
       ("kernel_nan_swap", "interpret", "nan", True, "swap", False),
       ("kernel_garbage_recompute", "interpret", "garbage", False, "recompute", True),
+      # The kernel compiled by Triton: only on a CUDA GPU >= 8.0 (experiments/gpu_check.sh).
+      ("kernel_compiled_nan_swap", "pallas", "nan", True, "swap", False),
+      ("kernel_compiled_garbage_recompute", "pallas", "garbage", False, "recompute", True),
   )
   def test_target_output_is_bit_identical(self, impl, fill, caching, mode, target_first):
+    skip_without_compiled_kernel(self, impl)
     clean, _ = run(make(impl, caching, mode), target_first)
     engine = make(impl, caching, mode)
     dirty, steps = run(engine, target_first, fill)
@@ -110,6 +122,26 @@ class PoisonedPagesTest(parameterized.TestCase):
     self.assertTrue(np.isfinite(finals[rid].outputs[0].logprobs).all())
     other = [o for k, o in finals.items() if k != rid][0]
     self.assertTrue(np.isnan(other.outputs[0].logprobs).any())
+
+
+class CompiledKernelTest(absltest.TestCase):
+  """The engine on the Triton-compiled kernel against the engine on the XLA path (GPU only)."""
+
+  def test_greedy_tokens_and_logprobs_match_xla(self):
+    skip_without_compiled_kernel(self, "pallas")
+    outs = {}
+    for impl in ("xla", "pallas"):
+      engine = make(impl)
+      ids = [engine.add_request(p, SamplingParams(max_tokens=10)) for p in OTHERS + [TARGET]]
+      final = {}
+      while engine.has_unfinished():
+        final.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
+      self.assertGreater(engine.stats.preemptions, 0)
+      outs[impl] = [final[i] for i in ids]
+    for xla, kernel in zip(outs["xla"], outs["pallas"]):
+      self.assertEqual(xla.token_ids, kernel.token_ids)
+      # f32 at precision "highest" (IEEE dots in the kernel): the sums' order differs only.
+      np.testing.assert_allclose(kernel.logprobs, xla.logprobs, atol=1e-4)
 
 
 class ScrubTest(absltest.TestCase):

@@ -38,14 +38,19 @@ _CASES = [
 ]
 
 
-class PagedAttentionKernelTest(parameterized.TestCase):
+class _CompiledOrInterpreted(parameterized.TestCase):
+  """`interpret` False: the kernel compiled by Triton, on a CUDA GPU >= 8.0 only (skipped,
+  saying why, elsewhere); True: Pallas' interpreter, on any device (CPU CI)."""
   interpret = False
 
   def setUp(self):
     super().setUp()
     if not self.interpret and attention.kernel_unavailable_reason() is not None:
       self.skipTest(f"compiled kernel: {attention.kernel_unavailable_reason()}; "
-                    "PagedAttentionKernelInterpretTest covers this on CPU")
+                    "the interpret-mode class covers this on CPU")
+
+
+class PagedAttentionKernelTest(_CompiledOrInterpreted):
 
   def _kernel(self, *args, **kw):
     return kernel_triton.paged_attention(*args, interpret=self.interpret, **kw)
@@ -144,9 +149,11 @@ def _edge_cases():
   return cases
 
 
-class KernelEdgeMatrixTest(parameterized.TestCase):
+class KernelEdgeMatrixTest(_CompiledOrInterpreted):
   """The kernel in interpret mode against `testing.naive_paged_attention`, the independent
-  float64 oracle (no helper shared with the reference or the XLA path)."""
+  float64 oracle (no helper shared with the reference or the XLA path); compiled on a GPU
+  by KernelEdgeMatrixCompiledTest."""
+  interpret = True
 
   @parameterized.named_parameters(*_edge_cases())
   def test_against_the_independent_oracle(self, mode, window, splits, group, cap):
@@ -166,7 +173,7 @@ class KernelEdgeMatrixTest(parameterized.TestCase):
                                       q_per_kv=group, head_dim=16, pad_tokens=1)
     kw = dict(sliding_window=window, soft_cap=cap, scale=0.3)
     out = kernel_triton.paged_attention(
-        *inp, max_q_len=max(q_lens), interpret=True,
+        *inp, max_q_len=max(q_lens), interpret=self.interpret,
         block_sizes=kernel_triton.BlockSizes(num_splits=splits, **steps), **kw)
     oracle = testing.naive_paged_attention(*inp, **kw)
     np.testing.assert_allclose(np.asarray(out, np.float64), oracle, **TOL[jnp.float32])
@@ -179,14 +186,20 @@ class KernelEdgeMatrixTest(parameterized.TestCase):
     inp = testing.random_paged_inputs(window, seq_lens, q_lens=q_lens, page_size=1,
                                       num_kv_heads=1, q_per_kv=2, head_dim=16, pad_tokens=1)
     kw = dict(sliding_window=window, scale=0.3)
-    out = kernel_triton.paged_attention(*inp, max_q_len=9, interpret=True, **kw)
+    out = kernel_triton.paged_attention(*inp, max_q_len=9, interpret=self.interpret, **kw)
     oracle = testing.naive_paged_attention(*inp, **kw)
     np.testing.assert_allclose(np.asarray(out, np.float64), oracle, **TOL[jnp.float32])
 
 
-class PrecisionTest(parameterized.TestCase):
-  """Each precision's error against the float64 oracle (interpret mode emulates TF32 rounding),
-  within what kernel_triton.PRECISIONS promises, and the TF32 settings really round."""
+class KernelEdgeMatrixCompiledTest(KernelEdgeMatrixTest):
+  interpret = False
+
+
+class PrecisionTest(_CompiledOrInterpreted):
+  """Each precision's error against the float64 oracle (interpret mode emulates TF32 rounding;
+  PrecisionCompiledTest runs the GPU's tensor cores), within what kernel_triton.PRECISIONS
+  promises, and the TF32 settings really round."""
+  interpret = True
 
   def _errors(self, dtype=jnp.float32):
     inp = testing.random_paged_inputs(3, [1, 37, 200, 64], q_lens=[1, 5, 1, 16], page_size=16,
@@ -194,7 +207,7 @@ class PrecisionTest(parameterized.TestCase):
                                       pad_tokens=1)
     oracle = testing.naive_paged_attention(*inp)
     outs = {prec: np.asarray(kernel_triton.paged_attention(*inp, max_q_len=16, precision=prec,
-                                                           interpret=True), np.float64)
+                                                           interpret=self.interpret), np.float64)
             for prec in kernel_triton.PRECISIONS}
     return {prec: float(np.abs(out - oracle).max()) for prec, out in outs.items()}, outs
 
@@ -228,7 +241,7 @@ class PrecisionTest(parameterized.TestCase):
     scores = live @ np.asarray(inp[0], np.float64)[0, 0] / 4   # scale 1 / sqrt(16)
     self.assertGreater(scores.min(), 50)        # the premise: scores where bf16 is coarse
     self.assertGreater(scores.max() - scores.min(), 3)
-    out = kernel_triton.paged_attention(*inp, max_q_len=3, interpret=True)
+    out = kernel_triton.paged_attention(*inp, max_q_len=3, interpret=self.interpret)
     self.assertEqual(out.dtype, jnp.bfloat16)
     np.testing.assert_allclose(np.asarray(out, np.float64), oracle, atol=0.01, rtol=0)
 
@@ -244,7 +257,7 @@ class PrecisionTest(parameterized.TestCase):
     q = np.asarray(q) * 0.3
     q[:, 0, 0], q[:, 1, 0] = 30.0, -30.0
     inp = (jnp.asarray(q), jnp.asarray(np.asarray(k_pages) + lean), v_pages, tables, lens, cu)
-    out = kernel_triton.paged_attention(*inp, max_q_len=1, interpret=True)
+    out = kernel_triton.paged_attention(*inp, max_q_len=1, interpret=self.interpret)
     np.testing.assert_allclose(np.asarray(out, np.float64), testing.naive_paged_attention(*inp),
                                **TOL[jnp.float32])
 
@@ -255,6 +268,13 @@ class PrecisionTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, r"precision='tf32' is not one of"):
       attention.paged_attention(*inp, impl="pallas", interpret=True, precision="tf32")
 
+
+
+class PrecisionCompiledTest(PrecisionTest):
+  interpret = False
+
+  def test_unknown_precision_is_a_clear_error(self):
+    self.skipTest("no device in it: PrecisionTest runs it")
 
 class KernelLoweringTest(parameterized.TestCase):
   """Lowers the kernel for CUDA on a CPU, so Triton lowering errors surface without a GPU."""
