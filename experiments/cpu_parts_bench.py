@@ -8,7 +8,14 @@ Prints, best of `--rounds` interleaved rounds:
              (`model.MLP_CHUNK_TOKENS`), with GFLOP/s;
   weights    8 layers of MLP on a decode batch ([batch, hidden] rows): the rate weights are read
              at, the floor of a decode step's matmuls;
-  argmax     `jnp.argmax` against `sampling.argmax` on f32[batch, vocab] logits.
+  argmax     `jnp.argmax` against `sampling.argmax` on f32[batch, vocab] logits;
+  decode     decode attention's block work after the gather (scores, softmax summary, P V) on
+             `items` gathered key blocks, in the pool's page layout ([items, tokens, kv heads,
+             d]: batched dots, what `attention.decode_attention_xla` runs today) against
+             multiply-reduces on head-major blocks, keys d-major ([items, kv heads, d, tokens])
+             and values token-major ([items, kv heads, tokens, d]): a layout the pool would
+             have to store, since a transpose after the gather costs what it saves.
+  SmolLM2-135M's decode: --items=192 --kv_heads=3 --group=3 --block_tokens=32 --head_dim=64.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from paged_jax import model, sampling
+from pallas_kernels.paged_attention import merge
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +38,11 @@ class PartsConfig:
   intermediate: int = 2752
   layers: int = 8
   vocab: int = 32_000
+  items: int = 192            # decode work items (row, key block) of one layer
+  kv_heads: int = 4
+  group: int = 4              # query heads per KV head
+  block_tokens: int = 32      # keys per work item (`attention.DECODE_BLOCK_TOKENS`)
+  head_dim: int = 64
   rounds: int = 5
 
 
@@ -52,6 +65,21 @@ def _mlp(x, wg, wu, wd):
   return (model.activation("silu", g) * (x @ wu)) @ wd
 
 
+def _decode_page_layout(q, k, v):
+  """q f32[C, K, G, D], k / v f32[C, T, K, D] (the pool's page layout) -> u f32[C, K, G, D]."""
+  s = jnp.einsum("ckgd,ctkd->ckgt", q, k, precision=jax.lax.Precision.HIGHEST)
+  return merge.block_summary(s, v, "ckgt,ctkd->ckgd").u
+
+
+def _decode_head_major(q, kt, vh):
+  """The same on kt f32[C, K, D, T] and vh f32[C, K, T, D]: each product a multiply-reduce over
+  a non-minor axis, vectorized along the minor one (tokens for scores, d for P V)."""
+  s = jnp.sum(q[..., None] * kt[:, :, None], axis=3)                  # [C, K, G, T]
+  m = jnp.max(s, axis=-1)
+  p = jnp.exp(s - m[..., None])
+  return jnp.sum(p[..., None] * vh[:, :, None], axis=3)               # [C, K, G, D]
+
+
 def run(cfg: PartsConfig) -> dict:
   keys = jax.random.split(jax.random.key(0), 3 * cfg.layers + 2)
   h, i = cfg.hidden, cfg.intermediate
@@ -69,15 +97,26 @@ def run(cfg: PartsConfig) -> dict:
     return x
 
   logits = jax.random.normal(keys[-1], (cfg.batch, cfg.vocab))
+  c, kh, g, t, d = cfg.items, cfg.kv_heads, cfg.group, cfg.block_tokens, cfg.head_dim
+  dk = jax.random.split(keys[-1], 3)
+  q = jax.random.normal(dk[0], (c, kh, g, d)) * d ** -0.5
+  k, v = (jax.random.normal(key, (c, t, kh, d)) for key in dk[1:])
+  kt, vh = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)   # made outside the timing
   fns = {"mlp whole": _mlp, "mlp chunks": chunked, "weights": decode_layers,
-         "jnp.argmax": lambda l: jnp.argmax(l, axis=-1), "sampling.argmax": sampling.argmax}
+         "jnp.argmax": lambda l: jnp.argmax(l, axis=-1), "sampling.argmax": sampling.argmax,
+         "decode page layout": _decode_page_layout, "decode head-major": _decode_head_major}
   args = {"mlp whole": (x,) + w[0], "mlp chunks": (x,) + w[0],
-          "weights": (x[:cfg.batch], w), "jnp.argmax": (logits,), "sampling.argmax": (logits,)}
+          "weights": (x[:cfg.batch], w), "jnp.argmax": (logits,), "sampling.argmax": (logits,),
+          "decode page layout": (q, k, v), "decode head-major": (q, kt, vh)}
   best = _best(fns, args, cfg.rounds)
+  same = jax.jit(_decode_page_layout)(q, k, v), jax.jit(_decode_head_major)(q, kt, vh)
   mlp_flops = 6 * cfg.tokens * h * i
   return dict(config=dataclasses.asdict(cfg), chunks=len(chunks), seconds=best,
               mlp_gflops={k: mlp_flops / best[k] / 1e9 for k in ("mlp whole", "mlp chunks")},
-              weight_gb_per_s=cfg.layers * 3 * h * i * 4 / best["weights"] / 1e9)
+              weight_gb_per_s=cfg.layers * 3 * h * i * 4 / best["weights"] / 1e9,
+              decode_max_abs_diff=float(jnp.abs(same[0] - same[1]).max()),
+              decode_kv_gb_per_s={k_: 2 * c * t * kh * d * 4 / best[k_] / 1e9
+                                  for k_ in ("decode page layout", "decode head-major")})
 
 
 def format_result(r: dict) -> str:
@@ -89,7 +128,13 @@ def format_result(r: dict) -> str:
       f"weights {c['layers']} MLP layers on [{c['batch']}, {c['hidden']}]: {s['weights'] * 1e3:.2f} ms "
       f"({r['weight_gb_per_s']:.1f} GB/s of weights)",
       f"argmax  f32[{c['batch']}, {c['vocab']}]: jnp.argmax {s['jnp.argmax'] * 1e3:.3f} ms, "
-      f"sampling.argmax {s['sampling.argmax'] * 1e3:.3f} ms"])
+      f"sampling.argmax {s['sampling.argmax'] * 1e3:.3f} ms",
+      f"decode  {c['items']} items x {c['block_tokens']} keys, {c['kv_heads']} kv heads x "
+      f"{c['group']}, d {c['head_dim']}: page layout {s['decode page layout'] * 1e3:.3f} ms "
+      f"({r['decode_kv_gb_per_s']['decode page layout']:.1f} GB/s of K/V), head-major "
+      f"{s['decode head-major'] * 1e3:.3f} ms "
+      f"({r['decode_kv_gb_per_s']['decode head-major']:.1f} GB/s); max |diff| "
+      f"{r['decode_max_abs_diff']:.1e}"])
 
 
 def main(argv):
@@ -97,7 +142,9 @@ def main(argv):
   f = flags.FLAGS
   print(format_result(run(PartsConfig(tokens=f.tokens, batch=f.batch, hidden=f.hidden,
                                       intermediate=f.intermediate, layers=f.layers,
-                                      vocab=f.vocab, rounds=f.rounds))))
+                                      vocab=f.vocab, items=f.items, kv_heads=f.kv_heads,
+                                      group=f.group, block_tokens=f.block_tokens,
+                                      head_dim=f.head_dim, rounds=f.rounds))))
 
 
 if __name__ == "__main__":
@@ -108,5 +155,10 @@ if __name__ == "__main__":
   flags.DEFINE_integer("intermediate", PartsConfig.intermediate, "MLP intermediate size.")
   flags.DEFINE_integer("layers", PartsConfig.layers, "Layers of the decode weights pass.")
   flags.DEFINE_integer("vocab", PartsConfig.vocab, "Vocabulary of the argmax comparison.")
+  flags.DEFINE_integer("items", PartsConfig.items, "Decode attention work items (one layer).")
+  flags.DEFINE_integer("kv_heads", PartsConfig.kv_heads, "KV heads.")
+  flags.DEFINE_integer("group", PartsConfig.group, "Query heads per KV head.")
+  flags.DEFINE_integer("block_tokens", PartsConfig.block_tokens, "Keys per work item.")
+  flags.DEFINE_integer("head_dim", PartsConfig.head_dim, "Head dimension.")
   flags.DEFINE_integer("rounds", PartsConfig.rounds, "Interleaved rounds (best is reported).")
   app.run(main)

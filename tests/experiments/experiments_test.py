@@ -65,12 +65,16 @@ class ExperimentsTest(absltest.TestCase):
     from unittest import mock
     from paged_jax import model
     cfg = cpu_parts_bench.PartsConfig(tokens=10, batch=3, hidden=16, intermediate=24, layers=2,
-                                      vocab=50, rounds=1)
+                                      vocab=50, items=5, kv_heads=2, group=3, block_tokens=4,
+                                      head_dim=8, rounds=1)
     with mock.patch.object(model, "MLP_CHUNK_TOKENS", 4):
       r = cpu_parts_bench.run(cfg)
     self.assertEqual(r["chunks"], 3)
     self.assertEqual(set(r["seconds"]), {"mlp whole", "mlp chunks", "weights", "jnp.argmax",
-                                         "sampling.argmax"})
+                                         "sampling.argmax", "decode page layout",
+                                         "decode head-major"})
+    # The two decode layouts compute the same block sums (f32; summation orders differ).
+    self.assertLess(r["decode_max_abs_diff"], 1e-5)
     self.assertTrue(all(v > 0 for v in r["seconds"].values()))
     self.assertIn("sampling.argmax", cpu_parts_bench.format_result(r))
 

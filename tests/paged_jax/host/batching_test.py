@@ -22,13 +22,16 @@ class BucketTest(absltest.TestCase):
     # One sequence decodes alone; two or more pad to a power of two of at least MIN_DECODE_ROWS.
     got = [batching.decode_bucket(n) for n in (1, 2, 7, 8, 9, 16, 17, 64)]
     self.assertEqual(got, [1, 8, 8, 8, 16, 16, 32, 64])
+    # A decode round pads to the next power of two: its matmuls cost by the padded rows.
+    got = [batching.round_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 64)]
+    self.assertEqual(got, [1, 2, 4, 4, 8, 8, 16, 64])
 
   def test_token_buckets(self):
     self.assertEqual([batching.token_bucket(n) for n in (1, 16, 17, 256, 257, 300, 2049)],
                      [16, 16, 32, 256, 288, 320, 2304])
 
-  def test_a_single_users_decode_round_has_one_row(self):
-    for users, rows in ((1, 1), (2, 8), (9, 16)):
+  def test_decode_rounds_pad_to_a_power_of_two_rows(self):
+    for users, rows in ((1, 1), (2, 2), (3, 4), (9, 16)):
       engine = Engine(None, CFG, cache=CacheConfig(page_size=4, num_pages=64),
                       scheduler=SchedulerConfig(steps_per_sync=4),
                       steps=testing.FakeSteps().functions())
@@ -92,9 +95,12 @@ class ProgramsTest(absltest.TestCase):
     # The kernel path keeps its width buckets: 64 and 128 columns here.
     wide = batching.reachable_programs(dataclasses.replace(limits, fixed_width=False))
     self.assertEqual(len(wide), 2 * len(keys))
-    # Several users multiply the mixed steps; the decode programs stay one per row bucket.
+    # Several users multiply the mixed steps; the decode programs stay one per row bucket
+    # (rounds: every power of two; one-step decodes: 1, then MIN_DECODE_ROWS and up).
     many = batching.reachable_programs(dataclasses.replace(limits, max_num_seqs=16))
-    self.assertEqual(sorted(k.num_decode for k in many if k.kind == "round"), [1, 8, 16])
+    self.assertEqual(sorted(k.num_decode for k in many if k.kind == "round"), [1, 2, 4, 8, 16])
+    self.assertEqual(sorted(k.num_decode for k in many if k.kind == "step" and
+                            not k.num_prefill_rows), [1, 8, 16])
     self.assertGreater(len(many), 10 * len(keys))
 
   def test_a_mixed_step_samples_one_row_per_row(self):
