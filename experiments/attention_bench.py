@@ -32,6 +32,7 @@ our kernel does it in one launch; JAX's GPU kernels cannot).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -73,6 +74,8 @@ class BenchConfig:
   interpret: bool = False       # run the kernels through Pallas' interpreter (CPU smoke tests)
   table_order: str = "shuffled"  # "shuffled" (worst case) or "sequential" (each sequence's pages
                                  # consecutive, as an allocator serving whole prompts hands them out)
+  tiles: tuple[str, ...] = ()    # more runs of our kernel with these tiles (`parse_tiles`), each
+                                 # timed beside the others as "pallas[<spec>]"
 
   @property
   def mode(self) -> str:
@@ -85,6 +88,25 @@ class BenchConfig:
     if self.num_prefill_seqs is not None:
       return np.where(np.arange(self.num_seqs) < self.num_prefill_seqs, self.q_len, 1)
     return np.full(self.num_seqs, self.q_len)
+
+
+_TILE_KEYS = {"q": "block_q", "bt": "block_tokens", "sp": "num_splits", "w": "num_warps",
+              "s": "num_stages", "c": "max_chunk"}
+
+
+def parse_tiles(spec: str) -> kernel_triton.BlockSizes:
+  """"bt64-s3-w8" -> BlockSizes(block_tokens=64, num_stages=3, num_warps=8): dash-separated
+  fields, each a key (q block_q, bt block_tokens, sp num_splits, w num_warps, s num_stages,
+  c max_chunk) and a positive integer; the rest stay the kernel's own choice."""
+  kw = {}
+  for field in spec.split("-"):
+    key = field.rstrip("0123456789")
+    value = field[len(key):]
+    if key not in _TILE_KEYS or not value:
+      raise ValueError(f"tiles field {field!r} of {spec!r} is not one of "
+                       f"{sorted(_TILE_KEYS)} followed by a number")
+    kw[_TILE_KEYS[key]] = int(value)
+  return kernel_triton.BlockSizes(**kw)
 
 
 def copy_bandwidth(num_bytes: int = 256 * 2**20, rounds: int = 5) -> float:
@@ -181,6 +203,12 @@ def implementations(cfg: BenchConfig, data: dict) -> dict[str, Callable[[dict], 
     impls["pallas"] = lambda d: kernel_triton.paged_attention(
         d["q"], d["k_pages"], d["v_pages"], d["block_tables"], d["seq_lens"], d["cu_q_lens"],
         max_q_len=max_q_len, interpret=cfg.interpret)
+    for spec in cfg.tiles:
+      impls[f"pallas[{spec}]"] = functools.partial(
+          lambda d, bs: kernel_triton.paged_attention(
+              d["q"], d["k_pages"], d["v_pages"], d["block_tables"], d["seq_lens"],
+              d["cu_q_lens"], max_q_len=max_q_len, interpret=cfg.interpret, block_sizes=bs),
+          bs=parse_tiles(spec))
     if cfg.mode == "decode":
       impls["jax_paged"] = _jax_paged(cfg, data)
       impls["jax_decode"] = _jax_decode(cfg)
@@ -197,6 +225,7 @@ def run(cfg: BenchConfig, copy_bytes_per_s: float | None = None) -> list[dict]:
   data = make_inputs(cfg)
   available = implementations(cfg, data)
   names = [n for n in cfg.impls if n in available]   # GPU-only paths drop out on a CPU
+  names += [f"pallas[{spec}]" for spec in cfg.tiles if f"pallas[{spec}]" in available]
   # 1) Correctness before timing, against the f32 reference on the paged data. The reference
   #    materialises all scores; at GPU-sized shapes check the first 8 sequences only (their pages
   #    gathered, so the f32 copy stays small).
@@ -209,15 +238,23 @@ def run(cfg: BenchConfig, copy_bytes_per_s: float | None = None) -> list[dict]:
       dense_of(data["v_pages"]), data["cu_q_lens"][:check + 1], sub(data["seq_lens"]),
       max_q_len=int(cfg.q_lens.max())))
   errors, compile_s = {}, {}
-  for name in names:
-    t = time.perf_counter()
-    out = np.asarray(available[name](data)[:cu[check]], np.float32)   # first call: compile + run
-    compile_s[name] = time.perf_counter() - t
-    errors[name] = float(np.max(np.abs(out - expected)))
-    # JAX's own kernels keep partial outputs in the input dtype; their tests use 5e-2 for f16.
-    tol = 1e-5 if cfg.dtype == "float32" else (5e-2 if name in _DECODE_ONLY else 2e-2)
-    if not errors[name] <= tol * (1 + np.max(np.abs(expected))):
-      raise AssertionError(f"{name}: max error {errors[name]} against the reference exceeds {tol}")
+  for name in list(names):
+    try:
+      t = time.perf_counter()
+      out = np.asarray(available[name](data)[:cu[check]], np.float32)   # first call: compile + run
+      compile_s[name] = time.perf_counter() - t
+      errors[name] = float(np.max(np.abs(out - expected)))
+      # JAX's own kernels keep partial outputs in the input dtype; their tests use 5e-2 for f16.
+      tol = 1e-5 if cfg.dtype == "float32" else (5e-2 if name in _DECODE_ONLY else 2e-2)
+      if not errors[name] <= tol * (1 + np.max(np.abs(expected))):
+        raise AssertionError(f"{name}: max error {errors[name]} against the reference exceeds "
+                             f"{tol}")
+    except Exception as e:   # a --tiles run that fails is reported and dropped; others raise
+      if not name.startswith("pallas["):
+        raise
+      print(f"{cfg.mode} B={cfg.num_seqs} T={cfg.seq_len}: {name} FAILED ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:200]})", flush=True)
+      names.remove(name)
   # 2) Steady state, interleaved so drift on a noisy machine hits every path alike.
   samples = {name: [] for name in names}
   for _ in range(cfg.rounds):
@@ -308,7 +345,10 @@ def main(argv):
                 head_dim=pick(_HEAD_DIM, "head_dim"), dtype=pick(_DTYPE, "dtype"),
                 block_tokens=_BLOCK_TOKENS.value, impls=impls, table_order=_TABLE_ORDER.value,
                 baseline=_BASELINE.value or preset["baseline"], rounds=_ROUNDS.value,
-                iters=_ITERS.value, min_seq_len=_MIN_SEQ_LEN.value)
+                iters=_ITERS.value, min_seq_len=_MIN_SEQ_LEN.value,
+                tiles=tuple(_TILES.value or ()))
+  for spec in common["tiles"]:
+    parse_tiles(spec)   # a bad spec fails here, before any timing
   configs = []
   for mode in _MODES.value:
     for seq_len in seq_lens:
@@ -359,6 +399,10 @@ if __name__ == "__main__":
   _BLOCK_TOKENS = flags.DEFINE_integer("block_tokens", attention.DEFAULT_BLOCK_TOKENS,
                                        "Keys per loop iteration of the blocked XLA paths.")
   _IMPLS = flags.DEFINE_list("impls", None, f"Paths to time, from {ALL_IMPLS}.")
+  _TILES = flags.DEFINE_list("tiles", None, "More runs of our kernel with these tiles, e.g. "
+                             "bt64-s3-w8 (q block_q, bt block_tokens, sp num_splits, w num_warps, "
+                             "s num_stages, c max_chunk), timed beside the rest (GPU or "
+                             "--interpret).")
   _BASELINE = flags.DEFINE_string("baseline", None, "Path the ratios are relative to.")
   _TABLE_ORDER = flags.DEFINE_enum("table_order", "shuffled", ["shuffled", "sequential"],
                                    "Page order in the block tables.")

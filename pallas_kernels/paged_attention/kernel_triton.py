@@ -221,6 +221,19 @@ def default_tiles(dtype, precision: str, head_dim: int, group: int = 1) -> Tiles
                max_chunk=32)
 
 
+# bf16 decode launches (one query per row: 16-row tiles) of power-of-two heads up to 128 read 64
+# keys per step over 3 pipeline stages instead of `default_tiles`' 32 over 2. Measured on an
+# H200 (jax 0.11.2; bf16, 32 query / 8 KV heads, head_dim 128, page 16; `python -m
+# experiments.attention_bench --preset=gpu --modes=decode --seq_lens=4096,32768
+# --tiles=bt64-s3,...`): at 8-128 sequences x 32k tokens K/V read at 2.3-3.4 TB/s where 32 keys
+# / 2 stages read 1.8-2.6, and the kernel went from 0.91-1.15x to 1.16-1.43x JAX's
+# paged_attention (1.46-2.78x at 8-128 x 4k); one sequence changed by under 2% or gained (8 shapes,
+# experiments/results/gpu_h200/attention_tiles_gpu.jsonl). The same tiles compile without
+# spills for sm_80 / sm_90 at head_dim 64 and 128 (experiments/kernel_ptx.py's matrix); head_dim
+# 64 was not timed. Prefill and mixed launches, f32 and quantized pages keep `default_tiles`.
+DECODE_BF16_BLOCK_TOKENS, DECODE_BF16_STAGES = 64, 3
+
+
 def plan(num_seqs: int, num_kv_heads: int, group: int, max_q_len: int, max_pages_per_seq: int,
          page_size: int, block_sizes: BlockSizes, *, head_dim: int = 128,
          dtype=jnp.bfloat16, precision: str = "highest", quantized: bool = False) -> _Plan:
@@ -231,6 +244,10 @@ def plan(num_seqs: int, num_kv_heads: int, group: int, max_q_len: int, max_pages
   head_dim 128 in prefill; on 4, decode spilled on sm_90, so decode keeps 8: experiments/
   kernel_ptx.py's quantized sub-matrix)."""
   tiles = default_tiles(jnp.dtype(dtype), precision, head_dim, group)
+  if (max_q_len == 1 and not quantized and jnp.dtype(dtype) == jnp.bfloat16
+      and head_dim & (head_dim - 1) == 0 and head_dim <= 128):
+    tiles = dataclasses.replace(tiles, block_tokens=DECODE_BF16_BLOCK_TOKENS,
+                                num_stages=DECODE_BF16_STAGES)
   if (quantized and jnp.dtype(dtype) == jnp.float32 and precision == "highest"
       and head_dim > 64 and max_q_len > 1):
     tiles = dataclasses.replace(tiles, num_warps=4)

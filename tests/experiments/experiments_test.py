@@ -46,6 +46,34 @@ class ExperimentsTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "not available"):
       attention_bench.run(attention_bench.BenchConfig(impls=("nope",)), copy_bytes_per_s=1e9)
 
+  def test_attention_bench_kernel_tiles(self):
+    # --tiles: the kernel again with other tiles, checked and timed beside the default (the
+    # interpreter here; the GPU check's sweep on a GPU).
+    from unittest import mock
+    from pallas_kernels.paged_attention import kernel_triton
+    self.assertEqual(attention_bench.parse_tiles("bt32-s3-w8-sp2"),
+                     kernel_triton.BlockSizes(block_tokens=32, num_stages=3, num_warps=8,
+                                              num_splits=2))
+    for bad in ("bt", "x4", "bt16-zz2"):
+      with self.assertRaisesRegex(ValueError, f"tiles field .* of {bad!r}"):
+        attention_bench.parse_tiles(bad)
+    with self.assertRaisesRegex(ValueError, "block_tokens=8 must be >= 16"):
+      attention_bench.parse_tiles("bt8")
+    cfg = attention_bench.BenchConfig(num_seqs=2, seq_len=40, page_size=4, num_q_heads=4,
+                                      num_kv_heads=2, head_dim=16, rounds=1, iters=1,
+                                      impls=("pallas",), baseline="pallas", interpret=True,
+                                      tiles=("bt16-sp2", "sp3"))
+    real = kernel_triton.paged_attention
+
+    def kernel(*a, block_sizes=kernel_triton.BlockSizes(), **kw):   # sp3 fails, as a tile
+      if block_sizes.num_splits == 3:                                # Triton refused would
+        raise RuntimeError("planted compile failure")
+      return real(*a, block_sizes=block_sizes, **kw)
+    with mock.patch.object(kernel_triton, "paged_attention", kernel):
+      records = attention_bench.run(cfg, copy_bytes_per_s=1e9)   # sp3 reported and dropped
+    self.assertEqual([r["impl"] for r in records], ["pallas", "pallas[bt16-sp2]"])
+    self.assertTrue(all(r["max_abs_err"] <= 1e-5 for r in records))
+
   def test_attention_bench_ragged_decode_rows(self):
     # --min_seq_len: ragged rows, where decode_xla's work items differ from paged_xla's loop.
     cfg = attention_bench.BenchConfig(num_seqs=5, seq_len=40, min_seq_len=3, page_size=4,

@@ -472,6 +472,29 @@ class DispatchTest(absltest.TestCase):
     self.assertGreater(few_long.num_splits, 16)
     self.assertEqual(many_short.num_splits, 1)
 
+  def test_bf16_decode_reads_64_keys_over_3_stages(self):
+    # The GPU-measured decode tiles (kernel_triton.DECODE_BF16_*): bf16, one query per row,
+    # power-of-two heads up to 128; everything else keeps default_tiles.
+    plan = functools.partial(kernel_triton.plan, 8, 8, 4, page_size=16, max_pages_per_seq=2048,
+                             block_sizes=kernel_triton.BlockSizes())
+    for head_dim in (64, 128):
+      p = plan(max_q_len=1, head_dim=head_dim, dtype=jnp.bfloat16)
+      self.assertEqual((p.block_tokens, p.num_stages, p.block_rows), (64, 3, 16))
+    tiles = kernel_triton.default_tiles(jnp.dtype(jnp.bfloat16), "highest", 128, 4)
+    for kw in (dict(max_q_len=2, head_dim=128, dtype=jnp.bfloat16),     # not decode
+               dict(max_q_len=1, head_dim=96, dtype=jnp.bfloat16),      # not a power of two
+               dict(max_q_len=1, head_dim=256, dtype=jnp.bfloat16),
+               dict(max_q_len=1, head_dim=128, dtype=jnp.bfloat16, quantized=True),
+               dict(max_q_len=1, head_dim=128, dtype=jnp.float32)):
+      p = plan(**kw)
+      mine = kernel_triton.default_tiles(jnp.dtype(kw["dtype"]), "highest", kw["head_dim"], 4)
+      self.assertEqual((p.block_tokens, p.num_stages), (mine.block_tokens, mine.num_stages), kw)
+    self.assertEqual((tiles.block_tokens, tiles.num_stages), (32, 2))
+    # An explicit BlockSizes still wins.
+    p = plan(max_q_len=1, head_dim=128, dtype=jnp.bfloat16,
+             block_sizes=kernel_triton.BlockSizes(block_tokens=32, num_stages=2))
+    self.assertEqual((p.block_tokens, p.num_stages), (32, 2))
+
 
 if __name__ == "__main__":
   absltest.main()
