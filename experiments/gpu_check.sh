@@ -7,7 +7,8 @@
 # ptxas, to set beside WORKSPACE.md's "Kernel resources"), and the main job on the kernel.
 # It uses the GPU image's own python3 (jax 0.11 with CUDA, flax, chex, pytest: no installs).
 # Each part has its own time limit, so one that hangs leaves the others their time; the whole
-# fits ~8 minutes of a 15-minute device budget (measured: WORKSPACE.md, "GPU check").
+# took 309 s on an H200 (2026-12-04), of a 15-minute device budget (experiments/results/
+# README.md, "Pallas kernel (issue 4) on a GPU").
 # Results land under $OUT (the device tool brings them back) or experiments/results/.
 set -uo pipefail
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 PATH="$PATH:/usr/local/cuda/bin"

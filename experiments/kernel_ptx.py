@@ -32,8 +32,8 @@ kernel-resources markers of WORKSPACE.md.
 
 from __future__ import annotations
 
-import dataclasses
 import collections
+import dataclasses
 import glob
 import hashlib
 import itertools
