@@ -17,6 +17,8 @@ Paths:
   paged_xla        `paged_attention_xla`: reads K/V through shuffled block tables.
   decode_xla       `decode_attention_xla` (decode only): the same pages split into (row, key
                    block) work items, so ragged rows (--min_seq_len) cost their own length.
+  decode_cpu       `cpu_kernel.decode_attention` (decode only, CPU backend): the C++ kernel behind
+                   XLA's FFI that impl "auto" runs decode rows on, on a CPU.
   pallas           our Triton kernel (`pallas_kernels.paged_attention`), GPU (or --interpret).
   jax_paged        `jax.experimental.pallas.ops.gpu.paged_attention` (decode only; its pool is
                    [kv_heads, pages, page_size, head_dim], prepared once outside the timing; it has no
@@ -45,11 +47,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax import attention
+from paged_jax import attention, cpu_kernel
 from pallas_kernels.paged_attention import kernel_triton, reference
 
-ALL_IMPLS = ("dense_reference", "dense_blocked", "paged_xla", "decode_xla", "pallas", "jax_paged",
-             "jax_decode")
+ALL_IMPLS = ("dense_reference", "dense_blocked", "paged_xla", "decode_xla", "decode_cpu", "pallas",
+             "jax_paged", "jax_decode")
 KERNEL_IMPLS = ("pallas", "jax_paged", "jax_decode")
 _DECODE_ONLY = ("jax_paged", "jax_decode")
 
@@ -199,6 +201,9 @@ def implementations(cfg: BenchConfig, data: dict) -> dict[str, Callable[[dict], 
   if cfg.mode == "decode":
     impls["decode_xla"] = lambda d: attention.decode_attention_xla(
         d["q"], d["k_pages"], d["v_pages"], d["block_tables"], d["seq_lens"], d["cu_q_lens"])
+    if cpu_kernel.unavailable_reason() is None:
+      impls["decode_cpu"] = lambda d: cpu_kernel.decode_attention(
+          d["q"], d["k_pages"], d["v_pages"], d["block_tables"], d["seq_lens"], d["cu_q_lens"])
   if cfg.interpret or attention.kernel_unavailable_reason(cfg.head_dim, cfg.page_size) is None:
     impls["pallas"] = lambda d: kernel_triton.paged_attention(
         d["q"], d["k_pages"], d["v_pages"], d["block_tables"], d["seq_lens"], d["cu_q_lens"],

@@ -22,7 +22,7 @@ from absl import app, flags
 import numpy as np
 
 from experiments import train_copy_model
-from paged_jax import checkpoint, config, embedded, testing
+from paged_jax import attention, checkpoint, config, embedded, testing
 from paged_jax.generate import Generator
 
 
@@ -102,7 +102,7 @@ if __name__ == "__main__":
   _NUM_PAGES = flags.DEFINE_integer("num_pages", 400, "Pages in the pool (NULL_PAGE included).")
   _STEPS_PER_SYNC = flags.DEFINE_integer("steps_per_sync", 8, "Decode steps per host sync.")
   _MAX_BATCH = flags.DEFINE_integer("max_batch", 64, "Most sequences decoded at once.")
-  _IMPL = flags.DEFINE_enum("impl", "auto", ["auto", "xla", "pallas", "interpret"], "Attention path.")
+  _IMPL = flags.DEFINE_enum("impl", "auto", list(attention.IMPLS), "Attention path.")
   _OUT = flags.DEFINE_string("out", "experiments/results/copy_eval.jsonl", "JSONL to append to.")
   _CACHE = flags.DEFINE_string("compilation_cache", config.DEFAULT_COMPILATION_CACHE,
                                "Directory for compiled programs ('' = off).")

@@ -14,7 +14,11 @@ Prints, best of `--rounds` interleaved rounds:
              d]: batched dots, what `attention.decode_attention_xla` runs today) against
              multiply-reduces on head-major blocks, keys d-major ([items, kv heads, d, tokens])
              and values token-major ([items, kv heads, tokens, d]): a layout the pool would
-             have to store, since a transpose after the gather costs what it saves.
+             have to store, since a transpose after the gather costs what it saves. Then the
+             same two with the gather inside the timing (each item's `block_tokens /
+             page_size` pages taken from a pool of either layout by a shuffled page list), as
+             the real path runs them: XLA fuses the gather into the multiply-reduces, and most
+             of the head-major gain goes.
   SmolLM2-135M's decode: --items=192 --kv_heads=3 --group=3 --block_tokens=32 --head_dim=64.
 """
 
@@ -42,8 +46,13 @@ class PartsConfig:
   kv_heads: int = 4
   group: int = 4              # query heads per KV head
   block_tokens: int = 32      # keys per work item (`attention.DECODE_BLOCK_TOKENS`)
+  page_size: int = 16         # tokens per page of the gathered variants (divides block_tokens)
   head_dim: int = 64
   rounds: int = 5
+
+
+DECODE_PARTS = ("decode page layout", "decode head-major", "decode page layout, gathered",
+                "decode head-major, gathered")
 
 
 def _best(fns: dict, args: dict, rounds: int) -> dict:
@@ -80,6 +89,25 @@ def _decode_head_major(q, kt, vh):
   return jnp.sum(p[..., None] * vh[:, :, None], axis=3)               # [C, K, G, D]
 
 
+def _decode_page_layout_gathered(q, k_pool, v_pool, pages):
+  """The page layout's block work on blocks gathered from f32[P, page, K, D] pools by
+  pages i32[C, pages per block]."""
+  c, kh, _, d = q.shape
+  shape = (c, -1, kh, d)
+  return _decode_page_layout(q, k_pool[pages].reshape(shape), v_pool[pages].reshape(shape))
+
+
+def _decode_head_major_gathered(q, kt_pool, vh_pool, pages):
+  """The head-major block work on blocks gathered from kt_pool f32[P, K, D, page] and vh_pool
+  f32[P, K, page, D]: a block's pages stay an axis of their own (merging them with the page's
+  tokens would be the transpose this layout exists to avoid)."""
+  kt, vh = kt_pool[pages], vh_pool[pages]                            # [C, p, K, D, S], [C, p, K, S, D]
+  s = jnp.sum(q[:, None, :, :, :, None] * kt[:, :, :, None], axis=4)  # [C, p, K, G, S]
+  m = jnp.max(s, axis=(1, 4))
+  p = jnp.exp(s - m[:, None, :, :, None])
+  return jnp.sum(p[..., None] * vh[:, :, :, None], axis=(1, 4))        # [C, K, G, D]
+
+
 def run(cfg: PartsConfig) -> dict:
   keys = jax.random.split(jax.random.key(0), 3 * cfg.layers + 2)
   h, i = cfg.hidden, cfg.intermediate
@@ -102,21 +130,35 @@ def run(cfg: PartsConfig) -> dict:
   q = jax.random.normal(dk[0], (c, kh, g, d)) * d ** -0.5
   k, v = (jax.random.normal(key, (c, t, kh, d)) for key in dk[1:])
   kt, vh = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)   # made outside the timing
+  if t % cfg.page_size:
+    raise ValueError(f"page_size={cfg.page_size} must divide block_tokens={t}")
+  ppb, ps = t // cfg.page_size, cfg.page_size
+  # The same blocks as pools: item i's pages are pages[i], a shuffle of 1..c*ppb (0 unused).
+  pages = 1 + jax.random.permutation(dk[0], c * ppb).reshape(c, ppb).astype(jnp.int32)
+  def pool(x):   # [C, T, K, D] -> [1 + C * ppb, page, K, D], page pages[i, j] = x[i, j-th page]
+    x = x.reshape(c * ppb, ps, kh, d)
+    return jnp.zeros((1 + c * ppb, ps, kh, d), x.dtype).at[pages.reshape(-1)].set(x)
+  k_pool, v_pool = pool(k), pool(v)
+  kt_pool, vh_pool = k_pool.transpose(0, 2, 3, 1), v_pool.transpose(0, 2, 1, 3)
   fns = {"mlp whole": _mlp, "mlp chunks": chunked, "weights": decode_layers,
          "jnp.argmax": lambda l: jnp.argmax(l, axis=-1), "sampling.argmax": sampling.argmax,
-         "decode page layout": _decode_page_layout, "decode head-major": _decode_head_major}
+         "decode page layout": _decode_page_layout, "decode head-major": _decode_head_major,
+         "decode page layout, gathered": _decode_page_layout_gathered,
+         "decode head-major, gathered": _decode_head_major_gathered}
   args = {"mlp whole": (x,) + w[0], "mlp chunks": (x,) + w[0],
           "weights": (x[:cfg.batch], w), "jnp.argmax": (logits,), "sampling.argmax": (logits,),
-          "decode page layout": (q, k, v), "decode head-major": (q, kt, vh)}
+          "decode page layout": (q, k, v), "decode head-major": (q, kt, vh),
+          "decode page layout, gathered": (q, k_pool, v_pool, pages),
+          "decode head-major, gathered": (q, kt_pool, vh_pool, pages)}
   best = _best(fns, args, cfg.rounds)
-  same = jax.jit(_decode_page_layout)(q, k, v), jax.jit(_decode_head_major)(q, kt, vh)
+  same = [jax.jit(fns[n])(*args[n]) for n in DECODE_PARTS]
   mlp_flops = 6 * cfg.tokens * h * i
   return dict(config=dataclasses.asdict(cfg), chunks=len(chunks), seconds=best,
               mlp_gflops={k: mlp_flops / best[k] / 1e9 for k in ("mlp whole", "mlp chunks")},
               weight_gb_per_s=cfg.layers * 3 * h * i * 4 / best["weights"] / 1e9,
-              decode_max_abs_diff=float(jnp.abs(same[0] - same[1]).max()),
+              decode_max_abs_diff=max(float(jnp.abs(o - same[0]).max()) for o in same[1:]),
               decode_kv_gb_per_s={k_: 2 * c * t * kh * d * 4 / best[k_] / 1e9
-                                  for k_ in ("decode page layout", "decode head-major")})
+                                  for k_ in DECODE_PARTS})
 
 
 def format_result(r: dict) -> str:
@@ -130,11 +172,10 @@ def format_result(r: dict) -> str:
       f"argmax  f32[{c['batch']}, {c['vocab']}]: jnp.argmax {s['jnp.argmax'] * 1e3:.3f} ms, "
       f"sampling.argmax {s['sampling.argmax'] * 1e3:.3f} ms",
       f"decode  {c['items']} items x {c['block_tokens']} keys, {c['kv_heads']} kv heads x "
-      f"{c['group']}, d {c['head_dim']}: page layout {s['decode page layout'] * 1e3:.3f} ms "
-      f"({r['decode_kv_gb_per_s']['decode page layout']:.1f} GB/s of K/V), head-major "
-      f"{s['decode head-major'] * 1e3:.3f} ms "
-      f"({r['decode_kv_gb_per_s']['decode head-major']:.1f} GB/s); max |diff| "
-      f"{r['decode_max_abs_diff']:.1e}"])
+      f"{c['group']}, d {c['head_dim']}, page {c['page_size']} (GB/s of K/V):"]
+      + [f"        {n:<28} {s[n] * 1e3:.3f} ms ({r['decode_kv_gb_per_s'][n]:.1f} GB/s)"
+         for n in DECODE_PARTS]
+      + [f"        max |diff| {r['decode_max_abs_diff']:.1e}"])
 
 
 def main(argv):
@@ -144,7 +185,8 @@ def main(argv):
                                       intermediate=f.intermediate, layers=f.layers,
                                       vocab=f.vocab, items=f.items, kv_heads=f.kv_heads,
                                       group=f.group, block_tokens=f.block_tokens,
-                                      head_dim=f.head_dim, rounds=f.rounds))))
+                                      page_size=f.page_size, head_dim=f.head_dim,
+                                      rounds=f.rounds))))
 
 
 if __name__ == "__main__":
@@ -159,6 +201,8 @@ if __name__ == "__main__":
   flags.DEFINE_integer("kv_heads", PartsConfig.kv_heads, "KV heads.")
   flags.DEFINE_integer("group", PartsConfig.group, "Query heads per KV head.")
   flags.DEFINE_integer("block_tokens", PartsConfig.block_tokens, "Keys per work item.")
+  flags.DEFINE_integer("page_size", PartsConfig.page_size,
+                       "Tokens per page of the gathered decode variants.")
   flags.DEFINE_integer("head_dim", PartsConfig.head_dim, "Head dimension.")
   flags.DEFINE_integer("rounds", PartsConfig.rounds, "Interleaved rounds (best is reported).")
   app.run(main)

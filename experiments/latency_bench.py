@@ -6,6 +6,7 @@ a few Poisson request rates, both engines fed the same requests at the same arri
   python -m experiments.latency_bench --engines=paged_jax      # without vLLM
   python -m experiments.latency_bench --model_dir=D --users=1,4,16   # N users at once (a chat)
   python -m experiments.latency_bench --model_dir=D --users=1 --engines=paged_jax --scan_layers
+  python -m experiments.latency_bench --model_dir=D --users=1,4,16 --engines=paged_jax,paged_jax_xla,vllm
 
 The model is the serve benchmark's random-init preset (HF format, float32); the requests are the
 serve command's synthetic workload (`paged_jax.serve.make_requests`: ShareGPT-like lengths scaled
@@ -19,8 +20,9 @@ arrival clock: TTFT = first token - arrival, TPOT = (finish - first token) / (to
 normalized latency = mean over requests of (finish - arrival) / tokens. A rate is sustained when an engine's normalized latency stays
 within --latency_factor times its value at the lowest rate. With --users, each run is instead N
 users' requests arriving together (N = 1: one user's chat, nothing else running), and no
-sustained rate is computed. Output: a table, one JSONL line in
-experiments/results/latency_bench.jsonl.
+sustained rate is computed. paged_jax_xla (not run by default) is our engine with impl "xla":
+decode attention on XLA instead of the C++ CPU kernel "auto" takes on a CPU. Output: a table,
+one JSONL line in experiments/results/latency_bench.jsonl.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ import numpy as np
 
 from experiments import output, serve_bench
 
-ENGINES = ("paged_jax", "vllm")
+ENGINES = ("paged_jax", "paged_jax_xla", "vllm")
+DEFAULT_ENGINES = ("paged_jax", "vllm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +49,7 @@ class LatencyConfig:
   rates: tuple[float, ...] = (2.0, 4.0, 8.0)
   users: tuple[int, ...] = ()   # non-empty: runs of N requests arriving at once, not the rates
   scan_layers: bool = False     # our engine's layers as a lax.scan (`Engine(scan_layers=)`)
-  engines: tuple[str, ...] = ENGINES
+  engines: tuple[str, ...] = DEFAULT_ENGINES
   max_position: int = 1024   # the workload's lengths are scaled to this context
   page_size: int = 16
   steps_per_sync: int = 4
@@ -82,9 +85,10 @@ def runs(cfg: LatencyConfig) -> list[tuple[str, int, float]]:
   return [(str(rate), cfg.num_requests, rate) for rate in cfg.rates]
 
 
-def _serve_config(cfg: LatencyConfig, path: str, rate: float, num_requests: int | None = None):
+def _serve_config(cfg: LatencyConfig, path: str, rate: float, num_requests: int | None = None,
+                  impl: str = "auto"):
   from paged_jax import serve
-  return serve.ServeConfig(model_dir=path, workload=cfg.workload,
+  return serve.ServeConfig(model_dir=path, workload=cfg.workload, impl=impl,
                            num_requests=cfg.num_requests if num_requests is None else num_requests,
                            request_rate=rate, seed=cfg.seed, warmup="workload", progress=False,
                            scan_layers=cfg.scan_layers,
@@ -92,13 +96,13 @@ def _serve_config(cfg: LatencyConfig, path: str, rate: float, num_requests: int 
                            ignore_eos=True)
 
 
-def run_paged_jax(cfg: LatencyConfig, path: str, model) -> dict:
+def run_paged_jax(cfg: LatencyConfig, path: str, model, impl: str = "auto") -> dict:
   """Each rate timed again while its run compiled a new batch shape (`models.serve_warm`):
   which shapes a run meets depends on its timing."""
   from experiments.models import serve_warm
   out = {}
   for name, n, rate in runs(cfg):
-    r = serve_warm(_serve_config(cfg, path, rate, n), model, attempts=4)
+    r = serve_warm(_serve_config(cfg, path, rate, n, impl), model, attempts=4)
     out[name] = dict(ttft_s=r["ttft_s"], tpot_s=r["tpot_s"],
                           normalized_latency_s_per_token=r["normalized_latency_s_per_token"],
                           output_tokens=r["output_tokens"], seconds=r["seconds"],
@@ -173,6 +177,7 @@ def run(cfg: LatencyConfig, model_dir: str | None = None, progress=print) -> dic
       engines.remove("vllm")
   for e in engines:
     result["engines"][e] = (run_paged_jax(cfg, path, model) if e == "paged_jax" else
+                            run_paged_jax(cfg, path, model, "xla") if e == "paged_jax_xla" else
                             run_vllm(cfg, path, requests))
     progress(f"  {e}: done")
   engine_names = list(result["engines"])
@@ -186,10 +191,11 @@ def run(cfg: LatencyConfig, model_dir: str | None = None, progress=print) -> dic
       del result["engines"][e][run_name]["tokens"]
   if cfg.users:
     result["floor"] = single_stream_floor(params, mcfg, requests[names[0]])
-    if "vllm" in engine_names and "paged_jax" in engine_names:
-      result["tpot_p50_paged_jax_over_vllm"] = {
-          run_name: result["engines"]["paged_jax"][run_name]["tpot_s"]["p50"]
-          / result["engines"]["vllm"][run_name]["tpot_s"]["p50"] for run_name in names}
+    for peer in ("vllm", "paged_jax_xla"):
+      if peer in engine_names and "paged_jax" in engine_names:
+        result[f"tpot_p50_paged_jax_over_{peer}"] = {
+            run_name: result["engines"]["paged_jax"][run_name]["tpot_s"]["p50"]
+            / result["engines"][peer][run_name]["tpot_s"]["p50"] for run_name in names}
     return result
   names = engine_names
   for e in names:
@@ -240,8 +246,9 @@ def format_result(r: dict) -> str:
       x = rows[names[0]]["tpot_s"]["p50"]
       if names[0] == "1 users" and x:
         lines.append(f"  {e:10s} one user's p50 TPOT / floor: {x / f['tpot_s']:.2f}x")
-    for name, x in r.get("tpot_p50_paged_jax_over_vllm", {}).items():
-      lines.append(f"  p50 TPOT {name}, paged_jax / vllm: {x:.2f}x")
+    for peer in ("vllm", "paged_jax_xla"):
+      for name, x in r.get(f"tpot_p50_paged_jax_over_{peer}", {}).items():
+        lines.append(f"  p50 TPOT {name}, paged_jax / {peer}: {x:.2f}x")
     return "\n".join(lines)
   lines.append(f"  highest common sustained rate: {r['highest_common_sustained_rate']}")
   if "p90_tpot_paged_jax_over_vllm" in r:
@@ -270,7 +277,7 @@ if __name__ == "__main__":
   flags.DEFINE_list("rates", ["2", "4", "8"], "Poisson request rates (requests / s).")
   flags.DEFINE_list("users", [], "Runs of N requests arriving together instead of the rates "
                     "(1,4,16: a 1-, 4- and 16-user chat).")
-  flags.DEFINE_list("engines", list(ENGINES), "Engines to run.")
+  flags.DEFINE_list("engines", list(DEFAULT_ENGINES), f"Engines to run, of {ENGINES}.")
   flags.DEFINE_bool("scan_layers", False, "paged_jax's layers as a lax.scan (serve --scan_layers).")
   flags.DEFINE_integer("max_position", 1024, "Context the workload's lengths are scaled to.")
   flags.DEFINE_string("model_dir", None, "Reuse a saved model directory.")

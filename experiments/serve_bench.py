@@ -12,9 +12,12 @@ first, then each prompt's ids), 64 new tokens each, greedy, EOS off. Engines, ea
 process, warmed up once on the same workload and timed on a second run, median of 3 alternating
 repetitions:
 
-- paged_jax: `Engine` (XLA attention on CPU), a fresh engine for the timed run (so the prefix
+- paged_jax: `Engine` (impl "auto": on a CPU, decode attention in the C++ kernel,
+  `paged_jax.cpu_kernel`, and the rest on XLA), a fresh engine for the timed run (so the prefix
   cache holds nothing from the warm-up); --mesh=DxM runs it tensor / data parallel
   (`paged_jax.sharding`; on a CPU over simulated devices sharing its cores);
+- paged_jax_xla: the same engine with impl "xla" (decode attention on XLA too): the baseline of
+  the CPU kernel, side by side in the run;
 - hf_generate: transformers' padded `generate`, one left-padded batch with an attention mask;
 - hf_cb: transformers' continuous batching `generate_batch` (page_size 32, 512 batch tokens, 32
   requests per batch, enough blocks for all).
@@ -53,7 +56,7 @@ import numpy as np
 
 from experiments import tool_venv
 
-ENGINES = ("paged_jax", "hf_generate", "hf_cb", "vllm")
+ENGINES = ("paged_jax", "paged_jax_xla", "hf_generate", "hf_cb", "vllm")
 
 PRESETS = {
     "tiny": dict(hidden_size=32, intermediate_size=64, num_layers=2, num_q_heads=4,
@@ -157,7 +160,7 @@ def _time_twice(fn):
   return time.perf_counter() - t, tokens, extra
 
 
-def worker_paged_jax(cfg: BenchConfig, path: str) -> dict:
+def worker_paged_jax(cfg: BenchConfig, path: str, impl: str = "auto") -> dict:
   from paged_jax import checkpoint, data_parallel, sharding
   from paged_jax.config import CacheConfig
   from paged_jax.host.scheduler import SchedulerConfig
@@ -175,7 +178,7 @@ def worker_paged_jax(cfg: BenchConfig, path: str) -> dict:
         params, mcfg, mesh=mesh, cache=CacheConfig(page_size=cfg.page_size, num_pages=num_pages),
         scheduler=SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
                                   max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                  steps_per_sync=cfg.steps_per_sync))
+                                  steps_per_sync=cfg.steps_per_sync), impl=impl)
     outs = engine.generate(prompts, sp)
     stats = [dataclasses.asdict(e.stats) for e in getattr(engine, "replicas", [engine])]
     slowest = max(stats, key=lambda s: s["prefill_s"] + s["decode_s"] + s["host_s"])
@@ -241,7 +244,8 @@ def worker_hf_cb(cfg: BenchConfig, path: str) -> dict:
 
 
 WORKERS = {"paged_jax": worker_paged_jax, "hf_generate": worker_hf_generate,
-           "hf_cb": worker_hf_cb}   # vllm runs in its own venv: `_spawn_vllm`
+           "hf_cb": worker_hf_cb,   # vllm runs in its own venv: `_spawn_vllm`
+           "paged_jax_xla": lambda cfg, path: worker_paged_jax(cfg, path, impl="xla")}
 
 
 def ensure_vllm(python: str) -> str | None:
@@ -328,7 +332,7 @@ def _spawn(engine: str, cfg: BenchConfig, path: str) -> dict:
   return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-PEERS = ("vllm", "hf_generate", "hf_cb")
+PEERS = ("vllm", "hf_generate", "hf_cb", "paged_jax_xla")   # ours / each, where it ran
 
 
 def run(cfg: BenchConfig, model_dir: str | None = None, progress=print) -> dict:

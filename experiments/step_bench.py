@@ -24,7 +24,7 @@ from absl import app, flags
 import jax
 import numpy as np
 
-from paged_jax import checkpoint, testing
+from paged_jax import attention, checkpoint, testing
 from paged_jax.config import ModelConfig
 from paged_jax.generate import Generator
 
@@ -107,7 +107,7 @@ if __name__ == "__main__":
   _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 128, "Prompt tokens.")
   _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 64, "Generated tokens per sequence.")
   _PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Tokens per page.")
-  _IMPL = flags.DEFINE_enum("impl", "auto", ["auto", "xla", "pallas", "interpret"], "Attention path.")
+  _IMPL = flags.DEFINE_enum("impl", "auto", list(attention.IMPLS), "Attention path.")
   _MODEL = flags.DEFINE_string("model", None, "HF-format model directory (default: random model).")
   _OUT = flags.DEFINE_string("out", "experiments/results/step_bench.jsonl", "JSONL to append to.")
   app.run(main)

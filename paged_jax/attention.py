@@ -11,6 +11,8 @@ the fair baseline for benchmarks), the Pallas kernel's split merge, and `merge_s
 (output, log-sum-exp) pairs. `paged_attention` dispatches between the Pallas (Triton) kernel, on
 CUDA GPUs of compute capability >= 8.0, and the XLA paths everywhere else (`decode_attention_xla`
 for one query per row, split by (row, key block) work items; `paged_attention_xla` otherwise).
+On the CPU backend, decode rows of unquantized f32 / bf16 pages run a C++ kernel behind XLA's FFI
+instead (`cpu_kernel`: the same summaries, one pass over each row's pages), where it builds.
 
 Every path also reads quantized pages (`kv_quant.QuantizedPages`: indexing dequantizes, so the
 XLA paths' gathers do; the kernel gets the codes and scales).
@@ -39,7 +41,7 @@ from pallas_kernels.paged_attention.reference import (attention_mask, check_stat
                                                       dense_attention, empty_result,
                                                       padded_to_ragged,
                                                       paged_attention_reference, ragged_to_padded)
-from paged_jax import kv_quant
+from paged_jax import cpu_kernel, kv_quant
 from paged_jax.state import NULL_PAGE
 
 __all__ = ["Summary", "block_summary", "merge_summaries", "finalize", "merge_states",
@@ -48,7 +50,7 @@ __all__ = ["Summary", "block_summary", "merge_summaries", "finalize", "merge_sta
            "step_attention", "DEFAULT_TILE_TOKENS", "DEFAULT_TILES_PER_CHUNK",
            "contiguous_attention", "validate_attention_inputs", "DEFAULT_BLOCK_TOKENS",
            "decode_attention_xla", "DECODE_BLOCK_TOKENS", "DECODE_ITEMS_PER_CHUNK",
-           "decode_items_per_chunk"]
+           "decode_items_per_chunk", "cpu_kernel_applies"]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -124,8 +126,9 @@ def _blocked_attention(fetch: Callable[[jax.Array], tuple[jax.Array, jax.Array]]
 
 
 # "interpret": the Pallas kernel through Pallas' interpreter (any backend; slow, for tests such
-# as the engine's isolation test on the CPU).
-IMPLS = ("auto", "xla", "pallas", "interpret")
+# as the engine's isolation test on the CPU). "cpu": decode rows through the C++ CPU kernel
+# (`cpu_kernel`), everything else on the XLA paths; "xla" keeps decode rows on XLA too.
+IMPLS = ("auto", "xla", "pallas", "interpret", "cpu")
 _KERNEL_MIN_COMPUTE_CAPABILITY = (8, 0)   # Triton backend's floor (Ampere)
 
 
@@ -153,6 +156,27 @@ def kernel_unavailable_reason(head_dim: int | None = None, page_size: int | None
   return None
 
 
+def cpu_kernel_applies(q, k_pages, impl: str) -> bool:
+  """Whether decode rows run the C++ CPU kernel (`cpu_kernel`) under `impl`.
+
+  "cpu" and "auto" use it on the CPU backend where it builds, for unquantized pages of q's
+  dtype (f32 or bf16) and at most 16 query heads per kv head; quantized pages and other dtypes
+  stay on the XLA path. impl="cpu" where the kernel cannot run raises a ValueError saying why;
+  "auto" then takes the XLA path.
+  """
+  if impl not in ("cpu", "auto"):
+    return False
+  reason = cpu_kernel.unavailable_reason()
+  if reason is not None:
+    if impl == "cpu":
+      raise ValueError(f"impl='cpu' cannot run here: {reason}. Use impl='xla'.")
+    return False
+  return (not isinstance(k_pages, kv_quant.QuantizedPages)
+          and jnp.dtype(q.dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+          and k_pages.dtype == q.dtype and q.shape[1] % k_pages.shape[2] == 0
+          and q.shape[1] // k_pages.shape[2] <= cpu_kernel.MAX_GROUP)
+
+
 def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
                     max_q_len: int | None = None, scale: float | None = None,
                     sliding_window: int | None = None, soft_cap: float | None = None,
@@ -163,12 +187,13 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
   """Ragged paged attention; dispatches to the Pallas kernel or the XLA path.
 
   `impl="auto"` runs the Triton kernel on CUDA GPUs of compute capability >= 8.0 (when the shapes
-  suit it) and the XLA path everywhere else; "xla" and "pallas" force one. Forcing "pallas" where
+  suit it), the C++ CPU kernel for decode (max_q_len=1) on the CPU (`cpu_kernel_applies`), and
+  the XLA path everywhere else; "xla", "pallas" and "cpu" force one. Forcing "pallas" where
   it cannot run compiled raises a ValueError saying why, unless `interpret=True` (Pallas' CPU
-  interpreter, for tests). Arguments are those of `paged_attention_xla` (`k_pages` / `v_pages`
-  may be `kv_quant.QuantizedPages`: every path dequantizes as it reads); `pages_per_block` tunes
-  the XLA path, `block_sizes` and `precision` the kernel (`kernel_triton.PRECISIONS`; the XLA
-  path always computes at "highest").
+  interpreter, for tests); so does "cpu" where the CPU kernel cannot build. Arguments are those
+  of `paged_attention_xla` (`k_pages` / `v_pages` may be `kv_quant.QuantizedPages`: every path
+  dequantizes as it reads); `pages_per_block` tunes the XLA path, `block_sizes` and `precision`
+  the kernel (`kernel_triton.PRECISIONS`; the XLA path always computes at "highest").
   """
   if impl not in IMPLS:
     raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
@@ -196,6 +221,9 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
         precision=precision, **kw, **quant)
   if max_q_len == 1:   # decode rows: split by key block, not padded to the longest row
     kw.pop("max_q_len")
+    if cpu_kernel_applies(q, k_pages, impl):
+      return cpu_kernel.decode_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens,
+                                         **kw)
     return decode_attention_xla(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens,
                                 pages_per_block=pages_per_block, **kw)
   return paged_attention_xla(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens,
@@ -530,8 +558,9 @@ def step_attention(q, k, v, k_pages, v_pages, block_tables, seq_lens, cu_q_lens,
 
   Rows 0..num_decode-1 are decode rows, one query each at tokens 0..num_decode-1; the rows after
   them are prefill chunks (ragged). The Pallas kernel takes the whole batch in one launch. The XLA
-  path runs decode rows with max_q_len=1 through `paged_attention_xla` and prefill rows through
-  `prefill_attention`, so no decode row is padded to a prefill chunk's length.
+  path runs decode rows with max_q_len=1 through `decode_attention_xla` (or the C++ CPU kernel,
+  `cpu_kernel_applies`) and prefill rows through `prefill_attention`, so no decode row is
+  padded to a prefill chunk's length.
 
   Args:
     q: dtype[num_tokens, num_q_heads, head_dim]; k, v: dtype[num_tokens, num_kv_heads, head_dim].
@@ -554,8 +583,10 @@ def step_attention(q, k, v, k_pages, v_pages, block_tables, seq_lens, cu_q_lens,
   d = num_decode
   parts = []
   if d:
-    parts.append(decode_attention_xla(q[:d], k_pages, v_pages, block_tables[:d], seq_lens[:d],
-                                      jnp.arange(d + 1, dtype=jnp.int32), **kw))
+    decode = (cpu_kernel.decode_attention if cpu_kernel_applies(q, k_pages, impl)
+              else decode_attention_xla)
+    parts.append(decode(q[:d], k_pages, v_pages, block_tables[:d], seq_lens[:d],
+                        jnp.arange(d + 1, dtype=jnp.int32), **kw))
   if q.shape[0] > d:
     parts.append(prefill_attention(q[d:], k[d:], v[d:], k_pages, v_pages, block_tables[d:],
                                    seq_lens[d:], cu_q_lens[d:] - d, max_q_len=max_q_len, **kw))

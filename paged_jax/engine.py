@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax import attention, kv_quant, model, page_ops, sharding, step
+from paged_jax import attention, cpu_kernel, kv_quant, model, page_ops, sharding, step
 from paged_jax import program_store as program_store_lib
 from paged_jax.config import CacheConfig, ModelConfig
 from paged_jax.host import batching
@@ -128,8 +128,9 @@ class Engine(EngineLoop):
     params, cfg: the model.
     cache: page size and pool size (or a memory budget to carve it from).
     scheduler: batching and preemption policy.
-    impl: attention path ("auto", "xla", "pallas", or "interpret": the kernel in Pallas'
-      interpreter, for tests).
+    impl: attention path ("auto", "xla", "pallas", "cpu", or "interpret": the kernel in Pallas'
+      interpreter, for tests); `attention.paged_attention` says what each runs. "auto" on a CPU
+      decodes through the C++ CPU kernel where it builds (`cpu_kernel`), and "cpu" requires it.
     seed: draws the seed of every request that brings none.
     tokenizer: a `tokenizers.Tokenizer`; outputs then carry text.
     eos_token_ids: the model's end-of-sequence ids (one or several).
@@ -211,6 +212,14 @@ class Engine(EngineLoop):
         impl == "auto" and attention.kernel_unavailable_reason(cfg.head_dim, cache.page_size)
         is None)
     self.fixed_width = not uses_kernel
+    if impl not in attention.IMPLS:
+      raise ValueError(f"impl={impl!r} is not one of {attention.IMPLS}")
+    # The C++ CPU kernel is built and registered now (not at the first trace), so executables
+    # loaded from a program store find their custom call, and impl="cpu" fails here if it can't.
+    self.cpu_kernel_reason = ("not asked for" if impl not in ("cpu", "auto") or uses_kernel
+                              else cpu_kernel.unavailable_reason(device))
+    if impl == "cpu" and self.cpu_kernel_reason:
+      raise ValueError(f"impl='cpu' cannot run here: {self.cpu_kernel_reason}")
     why = kv_quant.unsupported_reason(self.kv_format, uses_kernel=uses_kernel, device=device)
     if why:   # refused by name, never upcast behind the caller's back
       raise ValueError(f"the KV pool format cannot run here: {why}")
@@ -232,6 +241,9 @@ class Engine(EngineLoop):
                  "%s)", self.num_pages - 1, cache.page_size, self.capacity_tokens,
                  self.num_pages * cache.bytes_per_page(cfg, self.model_parallel) / 2 ** 20,
                  self.model_parallel, self.kv_format or cfg.dtype)
+    if impl in ("cpu", "auto") and not uses_kernel:
+      logging.info("decode attention: %s", "the C++ CPU kernel" if not self.cpu_kernel_reason
+                   else f"the XLA path (CPU kernel: {self.cpu_kernel_reason})")
     if slow_narrow_kv_writes(cfg.dtype):
       logging.warning(
           "dtype=%s on jax %s's CPU backend: each KV write converts the whole layer of pages to "

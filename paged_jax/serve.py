@@ -34,7 +34,7 @@ import jax
 import numpy as np
 
 from paged_jax import chat as chat_lib
-from paged_jax import checkpoint, data_parallel, embedded, sharding, workloads
+from paged_jax import attention, checkpoint, data_parallel, embedded, sharding, workloads
 from paged_jax.config import DEFAULT_COMPILATION_CACHE, CacheConfig, enable_compilation_cache
 from paged_jax.engine import Engine
 from paged_jax.program_store import DEFAULT_PROGRAM_STORE
@@ -439,7 +439,7 @@ def define_engine_flags():
                     "KV allocation: paged, or a contiguous baseline of the paper driving "
                     "admission (the KV budget becomes its slot space).")
   flags.DEFINE_bool("enable_prefix_caching", True, "Share full pages by chained hash.")
-  flags.DEFINE_enum("impl", "auto", ["auto", "xla", "pallas", "interpret"], "Attention path.")
+  flags.DEFINE_enum("impl", "auto", list(attention.IMPLS), "Attention path.")
   flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter dtype.")
   flags.DEFINE_integer("seed", 0, "Workload and request seeds.")
   flags.DEFINE_enum("warmup", "off", list(WARMUPS),

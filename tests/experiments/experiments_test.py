@@ -78,12 +78,13 @@ class ExperimentsTest(absltest.TestCase):
     # --min_seq_len: ragged rows, where decode_xla's work items differ from paged_xla's loop.
     cfg = attention_bench.BenchConfig(num_seqs=5, seq_len=40, min_seq_len=3, page_size=4,
                                       num_q_heads=4, num_kv_heads=2, head_dim=8, rounds=1, iters=1,
-                                      impls=("paged_xla", "decode_xla"), baseline="paged_xla")
+                                      impls=("paged_xla", "decode_xla", "decode_cpu"),
+                                      baseline="paged_xla")
     lens = attention_bench.seq_lens(cfg)
     self.assertGreater(len(set(lens.tolist())), 1)
     self.assertTrue(((lens >= 3) & (lens <= 40)).all())
     records = attention_bench.run(cfg, copy_bytes_per_s=1e9)
-    self.assertEqual([r["impl"] for r in records], ["paged_xla", "decode_xla"])
+    self.assertEqual([r["impl"] for r in records], ["paged_xla", "decode_xla", "decode_cpu"])
     self.assertTrue(all(r["max_abs_err"] <= 1e-5 for r in records))
     self.assertEqual(records[0]["kv_bytes"], 2 * int(lens.sum()) * 2 * 8 * 4)
     with self.assertRaisesRegex(ValueError, "min_seq_len=41"):
@@ -94,17 +95,19 @@ class ExperimentsTest(absltest.TestCase):
     from paged_jax import model
     cfg = cpu_parts_bench.PartsConfig(tokens=10, batch=3, hidden=16, intermediate=24, layers=2,
                                       vocab=50, items=5, kv_heads=2, group=3, block_tokens=4,
-                                      head_dim=8, rounds=1)
+                                      page_size=2, head_dim=8, rounds=1)
     with mock.patch.object(model, "MLP_CHUNK_TOKENS", 4):
       r = cpu_parts_bench.run(cfg)
     self.assertEqual(r["chunks"], 3)
     self.assertEqual(set(r["seconds"]), {"mlp whole", "mlp chunks", "weights", "jnp.argmax",
-                                         "sampling.argmax", "decode page layout",
-                                         "decode head-major"})
-    # The two decode layouts compute the same block sums (f32; summation orders differ).
+                                         "sampling.argmax", *cpu_parts_bench.DECODE_PARTS})
+    # The decode variants compute the same block sums (f32; summation orders differ), gathered
+    # from the pools or not (a wrong page shuffle or pool write would differ by O(1)).
     self.assertLess(r["decode_max_abs_diff"], 1e-5)
     self.assertTrue(all(v > 0 for v in r["seconds"].values()))
     self.assertIn("sampling.argmax", cpu_parts_bench.format_result(r))
+    with self.assertRaisesRegex(ValueError, "page_size=3"):
+      cpu_parts_bench.run(dataclasses.replace(cfg, page_size=3))
 
   def test_mutation_score_config_and_arithmetic(self):
     import configparser
@@ -253,7 +256,8 @@ class ExperimentsTest(absltest.TestCase):
     # Every engine in its own process, at a tiny shape: same greedy tokens, floors reported.
     # vLLM from a venv path that cannot be created: its row says why and is skipped, the rest
     # runs (vLLM itself: test_serve_bench_vllm_peer, where its venv exists).
-    engines = ("paged_jax", "hf_generate", "hf_cb")
+    # paged_jax_xla: our engine with decode attention on XLA, the CPU kernel's baseline.
+    engines = ("paged_jax", "paged_jax_xla", "hf_generate", "hf_cb")
     cfg = serve_bench.BenchConfig(preset="tiny", vocab_size=64, num_requests=3, min_prompt=4,
                                   max_prompt=20, new_tokens=5, repetitions=1, page_size=4,
                                   steps_per_sync=2, engines=engines + ("vllm",),
@@ -267,6 +271,8 @@ class ExperimentsTest(absltest.TestCase):
     self.assertIn("vllm         SKIPPED", serve_bench.format_result(r))
     ours = r["engines"]["paged_jax"]
     self.assertGreater(ours["x_hf_generate"], 0)
+    self.assertGreater(ours["x_paged_jax_xla"], 0)
+    self.assertIn("paged_jax / paged_jax_xla:", serve_bench.format_result(r))
     self.assertGreater(ours["prefill_floor_s"], 0)
     self.assertGreater(ours["decode_floor_ms"], 0)
     self.assertTrue(0 < ours["host_share"] < 1)
@@ -442,9 +448,13 @@ class ExperimentsTest(absltest.TestCase):
     model_dir = tempfile.mkdtemp()
     self.addCleanup(shutil.rmtree, model_dir)
     r = latency_bench.run(latency_bench.LatencyConfig(
-        preset="tiny", users=(1, 3), engines=("paged_jax",), max_position=64, results_dir=None,
-        scan_layers=True),
+        preset="tiny", users=(1, 3), engines=("paged_jax", "paged_jax_xla"), max_position=64,
+        results_dir=None, scan_layers=True),
         model_dir, progress=lambda *_: None)
+    # Decode attention on the C++ kernel and on XLA: the same greedy tokens, a ratio per run.
+    self.assertEqual(r["identical_tokens"], {"1 users": True, "3 users": True})
+    self.assertEqual(set(r["tpot_p50_paged_jax_over_paged_jax_xla"]), {"1 users", "3 users"})
+    self.assertIn("p50 TPOT 3 users, paged_jax / paged_jax_xla:", latency_bench.format_result(r))
     self.assertEqual(list(r["engines"]["paged_jax"]), ["1 users", "3 users"])
     self.assertGreater(r["engines"]["paged_jax"]["1 users"]["output_tokens"], 0)
     self.assertLess(r["engines"]["paged_jax"]["1 users"]["output_tokens"],

@@ -59,9 +59,10 @@ class PagedAttentionTest(parameterized.TestCase):
                                       q_per_kv=num_q_heads // num_kv_heads, dtype=dtype,
                                       pad_tokens=1)
     ref = _reference(*inp)
-    # pages_per_block=1 forces one merge per page: the merge rule is what is under test.
-    for ppb in (1, None):
-      out = attention.paged_attention(*inp, max_q_len=1, pages_per_block=ppb)
+    # pages_per_block=1 forces one merge per page: the merge rule is what is under test. "cpu":
+    # the C++ kernel ("auto" on a CPU), one merge per page by construction.
+    for impl, ppb in (("xla", 1), ("xla", None), ("cpu", None)):
+      out = attention.paged_attention(*inp, max_q_len=1, pages_per_block=ppb, impl=impl)
       self.assertFalse(np.isnan(np.asarray(out, np.float32)).any())
       chex.assert_trees_all_close(out.astype(jnp.float32), ref.astype(jnp.float32), **TOL[dtype])
 
@@ -368,14 +369,15 @@ class StepDispatchTest(parameterized.TestCase):
   def test_decode_rows_through_the_dispatcher_keep_their_options(self):
     # max_q_len=1 takes decode_attention_xla; the options and return_lse must go with it.
     inp = testing.random_paged_inputs(4, [9, 1, 17], page_size=4)
-    o, lse = attention.paged_attention(*inp, max_q_len=1, impl="xla", return_lse=True, **self.kw)
-    chex.assert_trees_all_close(o, _reference(*inp, **self.kw), **TOL[jnp.float32])
-    _, lse_ref = attention.paged_attention_xla(*inp, return_lse=True, **self.kw)
-    chex.assert_trees_all_close(lse, lse_ref, **TOL[jnp.float32])
+    for impl in ("xla", "cpu"):   # decode_attention_xla, the C++ CPU kernel
+      o, lse = attention.paged_attention(*inp, max_q_len=1, impl=impl, return_lse=True, **self.kw)
+      chex.assert_trees_all_close(o, _reference(*inp, **self.kw), **TOL[jnp.float32])
+      _, lse_ref = attention.paged_attention_xla(*inp, return_lse=True, **self.kw)
+      chex.assert_trees_all_close(lse, lse_ref, **TOL[jnp.float32])
 
   def test_unknown_impl_is_named(self):
     with self.assertRaisesRegex(ValueError, r"^impl='triton' is not one of \('auto', 'xla', "
-                                r"'pallas', 'interpret'\)$"):
+                                r"'pallas', 'interpret', 'cpu'\)$"):
       self._step(impl="triton")
 
 
@@ -649,7 +651,7 @@ class BadInputTest(parameterized.TestCase):
 
   def test_dispatcher_refusals_say_exactly_what(self):
     with self.assertRaisesRegex(ValueError, r"^impl='cuda' is not one of \('auto', 'xla', "
-                                r"'pallas', 'interpret'\)$"):
+                                r"'pallas', 'interpret', 'cpu'\)$"):
       attention.paged_attention(*self.inp, impl="cuda")
     with self.assertRaisesRegex(ValueError, "^block_tables must be int32; got int16$"):
       attention.paged_attention(*self.inp._replace(

@@ -325,7 +325,7 @@ class WarmupTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "scope='most' is not"):
       e.warmup("most")
 
-  def _store_engines(self, num_layers):
+  def _store_engines(self, num_layers, impl="xla"):
     # A model of its own per test: XLA:CPU cannot serialize an executable that has already run
     # (a sort's `LessThan`), which jit hands back for a program this process compiled before.
     import tempfile
@@ -334,7 +334,7 @@ class WarmupTest(absltest.TestCase):
     params = testing.random_params(cfg, seed=num_layers, scale=0.3)
     sched = SchedulerConfig(steps_per_sync=3, max_num_seqs=1, max_num_batched_tokens=64)
     new = lambda: Engine(params, cfg, cache=CacheConfig(page_size=4, num_pages=40),
-                         scheduler=sched, impl="xla", program_store=store)
+                         scheduler=sched, impl=impl, program_store=store)
     return store, new, testing.DenseGreedy(params, cfg)
 
   def test_a_restart_loads_its_programs_from_the_store(self):
@@ -363,6 +363,17 @@ class WarmupTest(absltest.TestCase):
     self.assertEqual([n for n in events if "compile" in n or "trace" in n], [])
     with self.assertRaisesRegex(ValueError, "program_store with a mesh"):
       Engine(PARAMS, CFG, program_store=store, mesh=object())
+
+  def test_programs_calling_the_cpu_kernel_store_and_load(self):
+    # The decode programs hold the C++ kernel's custom call: stored, loaded back (the engine
+    # registers the kernel before any load), they give the dense model's tokens.
+    store, new, ref = self._store_engines(2, impl="cpu")
+    prompt, sp = [4, 5, 6, 7, 8], SamplingParams(max_tokens=6)
+    self.assertEqual(new().generate([prompt], sp)[0].outputs[0].token_ids, ref(prompt, 6))
+    second = new()
+    self.assertEqual(second.generate([prompt], sp)[0].outputs[0].token_ids, ref(prompt, 6))
+    m = second.metrics()
+    self.assertEqual((m["programs_compiled"], m["programs_loaded"]), (0, 2))
 
   def test_warmup_stores_and_loads_and_a_damaged_program_is_compiled_again(self):
     import os

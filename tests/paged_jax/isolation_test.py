@@ -10,10 +10,11 @@ lengths do not (no EOS, fixed max_tokens), so the schedule is the same in both r
 """
 
 from absl.testing import absltest, parameterized
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax import attention, config, testing
+from paged_jax import attention, config, cpu_kernel, testing
 from paged_jax.config import CacheConfig
 from paged_jax.engine import Engine
 from paged_jax.host import batching
@@ -77,6 +78,8 @@ def skip_without_compiled_kernel(test, impl):
   reason = attention.kernel_unavailable_reason(CFG.head_dim, 2)
   if impl == "pallas" and reason is not None:
     test.skipTest(f"compiled kernel: {reason}")
+  if impl == "cpu" and jax.devices()[0].platform != "cpu":   # on a CPU it must build: no skip
+    test.skipTest(f"C++ CPU kernel: {cpu_kernel.unavailable_reason()}")
 
 
 class PoisonedPagesTest(parameterized.TestCase):
@@ -89,6 +92,9 @@ class PoisonedPagesTest(parameterized.TestCase):
       ("xla_nan_oldest", "xla", "nan", True, "swap", True),
       # Recompute without the prefix cache (a recomputed prompt reads nothing cached).
       ("xla_nan_recompute", "xla", "nan", False, "recompute", False),
+      # Decode rows on the C++ CPU kernel (impl "auto" on a CPU).
+      ("cpu_kernel_nan_swap", "cpu", "nan", True, "swap", False),
+      ("cpu_kernel_garbage_recompute", "cpu", "garbage", False, "recompute", True),
       ("kernel_nan_swap", "interpret", "nan", True, "swap", False),
       ("kernel_garbage_recompute", "interpret", "garbage", False, "recompute", True),
       # The kernel compiled by Triton: only on a CUDA GPU >= 8.0 (experiments/gpu_check.sh).
@@ -124,24 +130,30 @@ class PoisonedPagesTest(parameterized.TestCase):
     self.assertTrue(np.isnan(other.outputs[0].logprobs).any())
 
 
-class CompiledKernelTest(absltest.TestCase):
-  """The engine on the Triton-compiled kernel against the engine on the XLA path (GPU only)."""
+class KernelEnginesTest(parameterized.TestCase):
+  """The engine on each kernel against the engine on the XLA path: greedy outputs of every
+  request, with preemptions. "pallas": the Triton-compiled kernel (GPU only); "cpu": decode rows
+  on the C++ CPU kernel."""
 
-  def test_greedy_tokens_and_logprobs_match_xla(self):
-    skip_without_compiled_kernel(self, "pallas")
+  @parameterized.named_parameters(
+      # f32 at precision "highest" (IEEE dots in the kernel): the sums' order differs only.
+      ("compiled_kernel", "pallas", 1e-4),
+      ("cpu_kernel", "cpu", 1e-5),   # f32 both; the sums' order differs only
+  )
+  def test_greedy_tokens_and_logprobs_match_xla(self, impl, atol):
+    skip_without_compiled_kernel(self, impl)
     outs = {}
-    for impl in ("xla", "pallas"):
-      engine = make(impl)
+    for name in ("xla", impl):
+      engine = make(name)
       ids = [engine.add_request(p, SamplingParams(max_tokens=10)) for p in OTHERS + [TARGET]]
       final = {}
       while engine.has_unfinished():
         final.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
       self.assertGreater(engine.stats.preemptions, 0)
-      outs[impl] = [final[i] for i in ids]
-    for xla, kernel in zip(outs["xla"], outs["pallas"]):
+      outs[name] = [final[i] for i in ids]
+    for xla, kernel in zip(outs["xla"], outs[impl]):
       self.assertEqual(xla.token_ids, kernel.token_ids)
-      # f32 at precision "highest" (IEEE dots in the kernel): the sums' order differs only.
-      np.testing.assert_allclose(kernel.logprobs, xla.logprobs, atol=1e-4)
+      np.testing.assert_allclose(kernel.logprobs, xla.logprobs, atol=atol)
 
 
 class ScrubTest(absltest.TestCase):

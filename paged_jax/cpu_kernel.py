@@ -1,0 +1,161 @@
+"""Paged decode attention on the CPU as a C++ kernel behind XLA's FFI (`attention` impl "cpu").
+
+XLA:CPU runs `attention.decode_attention_xla`'s block work as hundreds of tiny batched dots a
+layer (a group of 3 query heads against 32 keys of 64 dims each), at 4-5 GB/s of K/V where
+the machine reads 25-45 GB/s. This kernel (`cpu_kernel.cc`, beside this file) walks each row's
+pages once per (row, kv head), scores the whole query group against each key as it reads it,
+and merges the softmax online page by page with the seeds' section 11 rule, in f32, over XLA's
+intra-op thread pool. Decode rows only (one query per row); prefill chunks stay on the XLA path.
+
+The source is compiled on first use with the system C++ compiler (`$CXX`, else `c++`) against
+the headers jaxlib ships (`jax.ffi.include_dir()`), `-O3 -march=native`, into
+~/.cache/paged_jax/cpu_kernel (or `$PAGED_JAX_CPU_KERNEL_CACHE`), keyed by the source, jaxlib's
+version, the compiler and this CPU's flags; later processes load the cached library (~10 ms).
+Where it cannot be built or run (no compiler, not a CPU backend), `unavailable_reason()` says
+why and `attention`'s impl="cpu" raises a ValueError quoting it; impl="auto" never picks it.
+
+Exactness: the same f32 summary arithmetic as the XLA path in another summation order; the
+tests compare it against `decode_attention_xla` and the dense reference
+(tests/paged_jax/cpu_kernel_test.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernel.cc")
+TARGET = "paged_jax_decode_attention"
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC",
+         "-w")   # -w: jaxlib's FFI headers warn under g++ 12
+# Work units ((row, kv head) pairs) per thread before a second thread is asked to help: below
+# this, scheduling a pool task costs more than it saves (one user is 3 units on SmolLM2).
+MIN_UNITS_PER_THREAD = 8
+MAX_GROUP = 16   # query heads per kv head at most (cpu_kernel.cc's kMaxGroup)
+_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+def cache_dir() -> str:
+  """Where built kernels are kept: $PAGED_JAX_CPU_KERNEL_CACHE, else ~/.cache/paged_jax/cpu_kernel."""
+  return os.environ.get("PAGED_JAX_CPU_KERNEL_CACHE") or os.path.join(
+      os.path.expanduser("~"), ".cache", "paged_jax", "cpu_kernel")
+
+
+def _compiler() -> str | None:
+  return shutil.which(os.environ.get("CXX", "c++"))
+
+
+def _cpu_flags() -> str:
+  """This CPU's feature flags (-march=native compiles for them), '' where /proc has none."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      return next((line for line in f if line.startswith("flags")), "")
+  except OSError:
+    return platform.processor()
+
+
+def library_path(compiler: str) -> str:
+  """The cached library's path for this source, jaxlib, compiler and CPU."""
+  import jaxlib
+  version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+  with open(SOURCE, "rb") as f:
+    key = hashlib.sha256(f.read())
+  for part in (jaxlib.__version__, version, " ".join(FLAGS), _cpu_flags()):
+    key.update(part.encode())
+  return os.path.join(cache_dir(), f"decode_attention-{key.hexdigest()[:16]}.so")
+
+
+def build(compiler: str) -> str:
+  """Compiles the kernel (unless cached) and returns the library's path. Raises RuntimeError
+  with the compiler's message when it fails."""
+  path = library_path(compiler)
+  if os.path.exists(path):
+    return path
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
+  os.close(fd)
+  cmd = [compiler, *FLAGS, "-I", jax.ffi.include_dir(), SOURCE, "-o", tmp]
+  done = subprocess.run(cmd, capture_output=True, text=True)
+  if done.returncode:
+    os.unlink(tmp)
+    raise RuntimeError(f"building the CPU kernel failed ({' '.join(cmd)}):\n{done.stderr[-2000:]}")
+  os.replace(tmp, path)   # atomic: a concurrent process sees the whole library or none
+  return path
+
+
+@functools.cache
+def _load() -> str | None:
+  """Builds, loads and registers the kernel once per process; None on success, else why not."""
+  compiler = _compiler()
+  if compiler is None:
+    return f"no C++ compiler ({os.environ.get('CXX', 'c++')!r} is not on PATH; set $CXX)"
+  try:
+    handler = ctypes.CDLL(build(compiler)).PagedJaxDecodeAttention
+  except (RuntimeError, OSError, AttributeError) as e:
+    return str(e)
+  jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
+  return None
+
+
+def unavailable_reason(device: jax.Device | None = None) -> str | None:
+  """Why the CPU kernel cannot run here (None if it can): it needs the CPU backend and a C++
+  compiler; the first call builds and registers it."""
+  device = device or jax.devices()[0]
+  if device.platform != "cpu":
+    return f"the CPU kernel runs on the CPU backend; this device is {device.platform}"
+  return _load()
+
+
+def decode_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
+                     scale: float | None = None, sliding_window: int | None = None,
+                     soft_cap: float | None = None, return_lse: bool = False,
+                     min_units_per_thread: int = MIN_UNITS_PER_THREAD):
+  """`attention.decode_attention_xla`'s contract, run by the C++ kernel.
+
+  Args:
+    q: dtype[num_tokens, num_q_heads, head_dim], at most one query per row (row r's at token
+      cu_q_lens[r], position seq_lens[r] - 1); dtype f32 or bf16, the pages' dtype.
+    k_pages, v_pages: dtype[num_pages, page_size, num_kv_heads, head_dim] (one layer).
+    block_tables: i32[num_seqs, max_pages_per_seq]; seq_lens: i32[num_seqs];
+      cu_q_lens: i32[num_seqs + 1].
+    min_units_per_thread: (row, kv head) units per thread before another thread helps (0: one
+      thread).
+
+  Returns:
+    dtype[num_tokens, num_q_heads, head_dim] (and f32[num_tokens, num_q_heads] lse if asked);
+    zeros (lse -inf) for tokens of no row and rows with no visible key.
+  """
+  reason = unavailable_reason()
+  if reason is not None:
+    raise ValueError(f"the CPU decode kernel cannot run here: {reason}")
+  dtype = jnp.dtype(q.dtype)
+  if dtype not in _DTYPES or k_pages.dtype != dtype or v_pages.dtype != dtype:
+    raise ValueError(f"the CPU decode kernel takes f32 or bf16 q and pages of one dtype; got q "
+                     f"{q.dtype}, k_pages {k_pages.dtype}, v_pages {v_pages.dtype}")
+  num_q_heads, num_kv_heads = q.shape[1], k_pages.shape[2]
+  if num_q_heads % num_kv_heads or num_q_heads // num_kv_heads > MAX_GROUP:
+    raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads="
+                     f"{num_kv_heads}, at most {MAX_GROUP} query heads per kv head")
+  head_dim = q.shape[-1]
+  if q.shape[0] == 0:
+    o, lse = jnp.zeros(q.shape, dtype), jnp.zeros(q.shape[:2], jnp.float32)
+    return (o, lse) if return_lse else o
+  call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct(q.shape, dtype),
+                                   jax.ShapeDtypeStruct(q.shape[:2], jnp.float32)))
+  o, lse = call(q, k_pages, v_pages, block_tables.astype(jnp.int32),
+                seq_lens.astype(jnp.int32), cu_q_lens.astype(jnp.int32),
+                scale=np.float32(head_dim ** -0.5 if scale is None else scale),
+                sliding_window=np.int64(sliding_window or 0),
+                soft_cap=np.float32(soft_cap or 0.0),
+                min_units_per_thread=np.int64(min_units_per_thread))
+  return (o, lse) if return_lse else o
