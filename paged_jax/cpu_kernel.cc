@@ -171,9 +171,11 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
                ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> cu_q_lens, float scale,
                int64_t sliding_window, float soft_cap, int64_t min_units_per_thread,
                ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse) {
-  auto qd = q.dimensions(), kd = k_pages.dimensions(), td = block_tables.dimensions();
-  if (qd.size() != 3 || kd.size() != 4 || td.size() != 2)
-    return ffi::Error::InvalidArgument("paged_jax decode attention: bad ranks");
+  auto qd = q.dimensions(), kd = k_pages.dimensions(), vd = v_pages.dimensions(),
+       td = block_tables.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || td.size() != 2 ||
+      !std::equal(kd.begin(), kd.end(), vd.begin(), vd.end()))
+    return ffi::Error::InvalidArgument("paged_jax decode attention: bad ranks, or v's shape differs");
   Problem p{qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], td[0], td[1], scale, sliding_window,
             soft_cap};
   if (kd[3] != p.head_dim || p.num_kv_heads < 1 || p.num_q_heads % p.num_kv_heads ||

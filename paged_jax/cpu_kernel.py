@@ -34,6 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.paged_attention.reference import check_static_args
+
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernel.cc")
 TARGET = "paged_jax_decode_attention"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC",
@@ -143,17 +145,21 @@ def decode_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
     raise ValueError(f"the CPU decode kernel takes f32 or bf16 q and pages of one dtype; got q "
                      f"{q.dtype}, k_pages {k_pages.dtype}, v_pages {v_pages.dtype}")
   num_q_heads, num_kv_heads = q.shape[1], k_pages.shape[2]
-  if num_q_heads % num_kv_heads or num_q_heads // num_kv_heads > MAX_GROUP:
-    raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads="
-                     f"{num_kv_heads}, at most {MAX_GROUP} query heads per kv head")
+  check_static_args(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, max_q_len=1,
+                    sliding_window=sliding_window, soft_cap=soft_cap)   # what every path checks
+  if k_pages.ndim != 4 or block_tables.ndim != 2:
+    raise ValueError(f"k_pages must be [num_pages, page_size, num_kv_heads, head_dim] and "
+                     f"block_tables 2-d; got {k_pages.shape} and {block_tables.shape}")
+  if num_q_heads // num_kv_heads > MAX_GROUP:
+    raise ValueError(f"num_q_heads={num_q_heads} over num_kv_heads={num_kv_heads}: at most "
+                     f"{MAX_GROUP} query heads per kv head")
   head_dim = q.shape[-1]
   if q.shape[0] == 0:
     o, lse = jnp.zeros(q.shape, dtype), jnp.zeros(q.shape[:2], jnp.float32)
     return (o, lse) if return_lse else o
   call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct(q.shape, dtype),
                                    jax.ShapeDtypeStruct(q.shape[:2], jnp.float32)))
-  o, lse = call(q, k_pages, v_pages, block_tables.astype(jnp.int32),
-                seq_lens.astype(jnp.int32), cu_q_lens.astype(jnp.int32),
+  o, lse = call(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens,
                 scale=np.float32(head_dim ** -0.5 if scale is None else scale),
                 sliding_window=np.int64(sliding_window or 0),
                 soft_cap=np.float32(soft_cap or 0.0),

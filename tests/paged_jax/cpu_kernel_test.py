@@ -114,8 +114,15 @@ class ExactnessTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "k_pages bfloat16"):
       cpu_kernel.decode_attention(inp.q, inp.k_pages.astype(jnp.bfloat16), *inp[2:])
     many = testing.random_paged_inputs(1, [5], page_size=4, num_kv_heads=1, q_per_kv=17)
-    with self.assertRaisesRegex(ValueError, "num_q_heads=17 .* at most 16 query heads"):
+    with self.assertRaisesRegex(ValueError, "num_q_heads=17 over num_kv_heads=1: at most 16"):
       cpu_kernel.decode_attention(*many)
+    # What every path checks (`check_static_args`), before anything reaches the C++ side.
+    with self.assertRaisesRegex(ValueError, "k and v shapes differ"):
+      cpu_kernel.decode_attention(inp.q, inp.k_pages, inp.v_pages[:-1], *inp[3:])
+    with self.assertRaisesRegex(ValueError, "block_tables must be int32; got int16"):
+      cpu_kernel.decode_attention(*inp[:3], inp.block_tables.astype(jnp.int16), *inp[4:])
+    with self.assertRaisesRegex(ValueError, "sliding_window=0 must be >= 1"):
+      cpu_kernel.decode_attention(*inp, sliding_window=0)
     o, lse = cpu_kernel.decode_attention(inp.q[:0], *inp[1:5], jnp.zeros(2, jnp.int32),
                                          return_lse=True)
     self.assertEqual((o.shape, lse.shape), ((0, 4, 16), (0, 4)))
