@@ -14,8 +14,8 @@
 //   seq_lens    i32[num_seqs]       keys per row including this step's
 //   cu_q_lens   i32[num_seqs + 1]   row r's query is token cu_q_lens[r] when its q_len is 1
 //   out         T[num_tokens, num_q_heads, head_dim], lse f32[num_tokens, num_q_heads]
-// T is f32 or bf16. Tokens of no row, rows without a visible key and padding rows give zeros
-// (lse -inf). Page ids are clamped into [0, num_pages) and lengths to the table's keys, as the
+// T is f32 or bf16. Tokens of no row and rows without a visible key (seq_len 0, the padding rows
+// of `decode_attention_xla`'s contract) give zeros (lse -inf). Page ids are clamped into [0, num_pages) and lengths to the table's keys, as the
 // XLA path's gathers do, so no input reads outside the buffers.
 
 #include <algorithm>
