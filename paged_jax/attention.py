@@ -172,9 +172,7 @@ def cpu_kernel_applies(q, k_pages, impl: str) -> bool:
       raise ValueError(f"impl='cpu' cannot run here: {reason}. Use impl='xla'.")
     return False
   return (not isinstance(k_pages, kv_quant.QuantizedPages)
-          and jnp.dtype(q.dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-          and k_pages.dtype == q.dtype and q.shape[1] % k_pages.shape[2] == 0
-          and q.shape[1] // k_pages.shape[2] <= cpu_kernel.MAX_GROUP)
+          and q.shape[1] % k_pages.shape[2] == 0 and cpu_kernel.unsupported(q, k_pages) is None)
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,

@@ -119,6 +119,20 @@ def unavailable_reason(device: jax.Device | None = None) -> str | None:
   return _load()
 
 
+def unsupported(q, k_pages) -> str | None:
+  """Why the kernel does not take these q / pages (None if it does): f32 or bf16 of one dtype,
+  at most MAX_GROUP query heads per kv head."""
+  dtype = jnp.dtype(q.dtype)
+  if dtype not in _DTYPES or k_pages.dtype != dtype:
+    return (f"the CPU decode kernel takes f32 or bf16 q and pages of one dtype; got q {q.dtype}, "
+            f"k_pages {k_pages.dtype}")
+  num_q_heads, num_kv_heads = q.shape[1], k_pages.shape[2]
+  if num_q_heads % num_kv_heads == 0 and num_q_heads // num_kv_heads > MAX_GROUP:
+    return (f"num_q_heads={num_q_heads} over num_kv_heads={num_kv_heads}: at most {MAX_GROUP} "
+            f"query heads per kv head")
+  return None
+
+
 def decode_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
                      scale: float | None = None, sliding_window: int | None = None,
                      soft_cap: float | None = None, return_lse: bool = False,
@@ -141,19 +155,15 @@ def decode_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
   reason = unavailable_reason()
   if reason is not None:
     raise ValueError(f"the CPU decode kernel cannot run here: {reason}")
+  why = unsupported(q, k_pages)
+  if why:
+    raise ValueError(why)
   dtype = jnp.dtype(q.dtype)
-  if dtype not in _DTYPES or k_pages.dtype != dtype or v_pages.dtype != dtype:
-    raise ValueError(f"the CPU decode kernel takes f32 or bf16 q and pages of one dtype; got q "
-                     f"{q.dtype}, k_pages {k_pages.dtype}, v_pages {v_pages.dtype}")
-  num_q_heads, num_kv_heads = q.shape[1], k_pages.shape[2]
   check_static_args(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, max_q_len=1,
                     sliding_window=sliding_window, soft_cap=soft_cap)   # what every path checks
   if k_pages.ndim != 4 or block_tables.ndim != 2:
     raise ValueError(f"k_pages must be [num_pages, page_size, num_kv_heads, head_dim] and "
                      f"block_tables 2-d; got {k_pages.shape} and {block_tables.shape}")
-  if num_q_heads // num_kv_heads > MAX_GROUP:
-    raise ValueError(f"num_q_heads={num_q_heads} over num_kv_heads={num_kv_heads}: at most "
-                     f"{MAX_GROUP} query heads per kv head")
   head_dim = q.shape[-1]
   if q.shape[0] == 0:
     o, lse = jnp.zeros(q.shape, dtype), jnp.zeros(q.shape[:2], jnp.float32)
