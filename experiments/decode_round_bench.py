@@ -10,7 +10,11 @@ calls) for each variant:
 - rows: the round padded to this many rows (the engine pads one sequence to
   `batching.decode_bucket(1)` = 1 row; 8 was the floor before issue 32);
 - items_per_chunk: decode attention's work items per loop iteration (the default follows the
-  rows, `attention.decode_items_per_chunk`; 64 was the default before issue 32).
+  rows, `attention.decode_items_per_chunk`; 64 was the default before issue 32; the XLA path's);
+- matmul: how the model multiplies (`ModelConfig.matmul`: "xla", or "mkl" with the extra).
+
+--impl picks decode attention's path for every variant ("xla", the default here; "cpu": the C++
+kernel the engine takes on a CPU).
 
 Prints milliseconds per decode step (one token) for each (rows, items_per_chunk).
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import time
 
 import jax
@@ -37,10 +42,12 @@ class RoundConfig:
   items_per_chunk: tuple[int, ...] = (DEFAULT_CHUNK, 64)
   scan_layers: bool = False
   rounds: int = 8
+  matmul: tuple[str, ...] = ("xla",)
+  impl: str = "xla"
 
 
 def run(cfg: RoundConfig) -> dict:
-  """{"rows": [{rows, items_per_chunk, ms_per_step}], ...}."""
+  """{"rows": [{rows, items_per_chunk, matmul, ms_per_step}], ...}."""
   from paged_jax import attention, checkpoint, embedded, step
   from paged_jax.engine import Engine
   from paged_jax.host import batching
@@ -69,11 +76,12 @@ def run(cfg: RoundConfig) -> dict:
       state = step.DecodeState(*(jax.device_put(grow(one[k])) for k in
                                  ("tokens", "positions", "block_tables", "write_limit")))
       sampling = SamplingArrays.from_rows(batching.sampling_rows(plan), rows)
-      for chunk in cfg.items_per_chunk:
+      for chunk, backend in itertools.product(cfg.items_per_chunk, cfg.matmul):
         attention.decode_attention_xla = (real if chunk == DEFAULT_CHUNK else
                                           functools.partial(real, items_per_chunk=chunk))
-        fn = jax.jit(functools.partial(step.multi_step_decode.__wrapped__, cfg=mcfg,
-                                       num_steps=plan.num_steps, impl="xla", greedy_only=True),
+        fn = jax.jit(functools.partial(step.multi_step_decode.__wrapped__,
+                                       cfg=dataclasses.replace(mcfg, matmul=backend),
+                                       num_steps=plan.num_steps, impl=cfg.impl, greedy_only=True),
                      donate_argnums=(1,))
         pool = engine.pool
         res, pool = fn(engine.params, pool, state, sampling)
@@ -87,7 +95,7 @@ def run(cfg: RoundConfig) -> dict:
         engine.pool = pool
         out.append(dict(rows=rows, items_per_chunk=chunk or
                         attention.decode_items_per_chunk(rows),
-                        default_chunk=chunk == DEFAULT_CHUNK,
+                        default_chunk=chunk == DEFAULT_CHUNK, matmul=backend,
                         ms_per_step=1e3 * float(np.median(times)) / plan.num_steps))
   finally:
     attention.decode_attention_xla = real
@@ -98,10 +106,12 @@ def run(cfg: RoundConfig) -> dict:
 def format_result(r: dict) -> str:
   c = r["config"]
   lines = [f"one user's decode round ({c['model_dir'] or 'embedded'}, {c['dtype']}, jax "
-           f"{r['jax']}{', layers as a scan' if c['scan_layers'] else ''}): ms per decode step"]
+           f"{r['jax']}{', layers as a scan' if c['scan_layers'] else ''}, attention impl "
+           f"{c.get('impl', 'xla')}): ms per decode step"]
   for x in r["rows"]:
     lines.append(f"  rows {x['rows']:3d}  items_per_chunk {x['items_per_chunk']:3d}"
-                 f"{' (default)' if x['default_chunk'] else '          '}  {x['ms_per_step']:8.2f}")
+                 f"{' (default)' if x['default_chunk'] else '          '}  matmul "
+                 f"{x.get('matmul', 'xla'):3s}  {x['ms_per_step']:8.2f}")
   return "\n".join(lines)
 
 
@@ -111,7 +121,8 @@ def main(argv):
   f = flags.FLAGS
   print(format_result(run(RoundConfig(
       model_dir=f.model_dir, dtype=f.dtype, rows=tuple(int(x) for x in f.rows),
-      items_per_chunk=tuple(int(x) for x in f.items_per_chunk), scan_layers=f.scan_layers))))
+      items_per_chunk=tuple(int(x) for x in f.items_per_chunk), scan_layers=f.scan_layers,
+      matmul=tuple(f.matmul), impl=f.impl))))
 
 
 if __name__ == "__main__":
@@ -122,4 +133,6 @@ if __name__ == "__main__":
   flags.DEFINE_list("rows", ["1", "8"], "Rows the round is padded to.")
   flags.DEFINE_list("items_per_chunk", ["0", "64"], "Decode attention chunk (0: the default).")
   flags.DEFINE_bool("scan_layers", False, "The layers as a lax.scan.")
+  flags.DEFINE_list("matmul", ["xla"], "Matmul backends to time (paged_jax.matmul.BACKENDS).")
+  flags.DEFINE_enum("impl", "xla", ["xla", "cpu", "auto"], "Decode attention's path.")
   app.run(main)

@@ -21,7 +21,9 @@ normalized latency = mean over requests of (finish - arrival) / tokens. A rate i
 within --latency_factor times its value at the lowest rate. With --users, each run is instead N
 users' requests arriving together (N = 1: one user's chat, nothing else running), and no
 sustained rate is computed. paged_jax_xla (not run by default) is our engine with impl "xla":
-decode attention on XLA instead of the C++ CPU kernel "auto" takes on a CPU. Output: a table,
+decode attention on XLA instead of the C++ CPU kernel "auto" takes on a CPU; paged_jax_mkl (not
+run by default either) is our engine with its matmuls in Intel MKL (`ModelConfig.matmul`,
+`pip install -e .[mkl]`), reported against vLLM. Output: a table,
 one JSONL line in experiments/results/latency_bench.jsonl.
 """
 
@@ -37,7 +39,10 @@ import numpy as np
 
 from experiments import output, serve_bench
 
-ENGINES = ("paged_jax", "paged_jax_xla", "vllm")
+ENGINES = ("paged_jax", "paged_jax_xla", "paged_jax_mkl", "vllm")
+# (ours, peer): the p50 TPOT ratios reported where both ran.
+PAIRS = (("paged_jax", "vllm"), ("paged_jax", "paged_jax_xla"), ("paged_jax_mkl", "vllm"),
+         ("paged_jax_mkl", "paged_jax"))
 DEFAULT_ENGINES = ("paged_jax", "vllm")
 
 
@@ -176,8 +181,10 @@ def run(cfg: LatencyConfig, model_dir: str | None = None, progress=print) -> dic
       result["skipped"]["vllm"] = why
       engines.remove("vllm")
   for e in engines:
+    mkl_model = (params, dataclasses.replace(mcfg, matmul="mkl"), None, ())
     result["engines"][e] = (run_paged_jax(cfg, path, model) if e == "paged_jax" else
                             run_paged_jax(cfg, path, model, "xla") if e == "paged_jax_xla" else
+                            run_paged_jax(cfg, path, mkl_model) if e == "paged_jax_mkl" else
                             run_vllm(cfg, path, requests))
     progress(f"  {e}: done")
   engine_names = list(result["engines"])
@@ -191,10 +198,10 @@ def run(cfg: LatencyConfig, model_dir: str | None = None, progress=print) -> dic
       del result["engines"][e][run_name]["tokens"]
   if cfg.users:
     result["floor"] = single_stream_floor(params, mcfg, requests[names[0]])
-    for peer in ("vllm", "paged_jax_xla"):
-      if peer in engine_names and "paged_jax" in engine_names:
-        result[f"tpot_p50_paged_jax_over_{peer}"] = {
-            run_name: result["engines"]["paged_jax"][run_name]["tpot_s"]["p50"]
+    for ours, peer in PAIRS:
+      if peer in engine_names and ours in engine_names:
+        result[f"tpot_p50_{ours}_over_{peer}"] = {
+            run_name: result["engines"][ours][run_name]["tpot_s"]["p50"]
             / result["engines"][peer][run_name]["tpot_s"]["p50"] for run_name in names}
     return result
   names = engine_names
@@ -246,9 +253,9 @@ def format_result(r: dict) -> str:
       x = rows[names[0]]["tpot_s"]["p50"]
       if names[0] == "1 users" and x:
         lines.append(f"  {e:10s} one user's p50 TPOT / floor: {x / f['tpot_s']:.2f}x")
-    for peer in ("vllm", "paged_jax_xla"):
-      for name, x in r.get(f"tpot_p50_paged_jax_over_{peer}", {}).items():
-        lines.append(f"  p50 TPOT {name}, paged_jax / {peer}: {x:.2f}x")
+    for ours, peer in PAIRS:
+      for name, x in r.get(f"tpot_p50_{ours}_over_{peer}", {}).items():
+        lines.append(f"  p50 TPOT {name}, {ours} / {peer}: {x:.2f}x")
     return "\n".join(lines)
   lines.append(f"  highest common sustained rate: {r['highest_common_sustained_rate']}")
   if "p90_tpot_paged_jax_over_vllm" in r:

@@ -18,6 +18,8 @@ repetitions:
   (`paged_jax.sharding`; on a CPU over simulated devices sharing its cores);
 - paged_jax_xla: the same engine with impl "xla" (decode attention on XLA too): the baseline of
   the CPU kernel, side by side in the run;
+- paged_jax_mkl: the same engine with its matmuls in Intel MKL (`ModelConfig.matmul="mkl"`,
+  `paged_jax.matmul`; needs `pip install -e .[mkl]`): reported against vLLM and paged_jax;
 - hf_generate: transformers' padded `generate`, one left-padded batch with an attention mask;
 - hf_cb: transformers' continuous batching `generate_batch` (page_size 32, 512 batch tokens, 32
   requests per batch, enough blocks for all).
@@ -56,7 +58,7 @@ import numpy as np
 
 from experiments import tool_venv
 
-ENGINES = ("paged_jax", "paged_jax_xla", "hf_generate", "hf_cb", "vllm")
+ENGINES = ("paged_jax", "paged_jax_xla", "paged_jax_mkl", "hf_generate", "hf_cb", "vllm")
 
 PRESETS = {
     "tiny": dict(hidden_size=32, intermediate_size=64, num_layers=2, num_q_heads=4,
@@ -160,7 +162,8 @@ def _time_twice(fn):
   return time.perf_counter() - t, tokens, extra
 
 
-def worker_paged_jax(cfg: BenchConfig, path: str, impl: str = "auto") -> dict:
+def worker_paged_jax(cfg: BenchConfig, path: str, impl: str = "auto",
+                     matmul: str = "xla") -> dict:
   from paged_jax import checkpoint, data_parallel, sharding
   from paged_jax.config import CacheConfig
   from paged_jax.host.scheduler import SchedulerConfig
@@ -168,6 +171,7 @@ def worker_paged_jax(cfg: BenchConfig, path: str, impl: str = "auto") -> dict:
   sharding.ensure_host_devices(cfg.mesh)   # before jax starts (this is the worker's process)
   mesh = sharding.mesh_from_flag(cfg.mesh)
   params, mcfg, _ = checkpoint.load_checkpoint(cfg.model or path, cfg.dtype)
+  mcfg = dataclasses.replace(mcfg, matmul=matmul)
   prompts = workload(cfg)
   longest = max(map(len, prompts)) + cfg.new_tokens
   num_pages = 1 + len(prompts) * -(-longest // cfg.page_size)
@@ -245,7 +249,8 @@ def worker_hf_cb(cfg: BenchConfig, path: str) -> dict:
 
 WORKERS = {"paged_jax": worker_paged_jax, "hf_generate": worker_hf_generate,
            "hf_cb": worker_hf_cb,   # vllm runs in its own venv: `_spawn_vllm`
-           "paged_jax_xla": lambda cfg, path: worker_paged_jax(cfg, path, impl="xla")}
+           "paged_jax_xla": lambda cfg, path: worker_paged_jax(cfg, path, impl="xla"),
+           "paged_jax_mkl": lambda cfg, path: worker_paged_jax(cfg, path, matmul="mkl")}
 
 
 def ensure_vllm(python: str) -> str | None:
@@ -369,6 +374,10 @@ def run(cfg: BenchConfig, model_dir: str | None = None, progress=print) -> dict:
   first = tokens[cfg.engines[0]]
   result["identical_tokens"] = all(t == first for t in tokens.values())
   result["tokens_differ"] = {e: sum(a != b for a, b in zip(t, first)) for e, t in tokens.items()}
+  mkl = result["engines"].get("paged_jax_mkl")
+  for peer in ("vllm", "paged_jax"):
+    if mkl and peer in result["engines"]:
+      mkl[f"x_{peer}"] = mkl["tokens_per_s"] / result["engines"][peer]["tokens_per_s"]
   ours = result["engines"].get("paged_jax")
   if ours:
     for peer in PEERS:
@@ -406,6 +415,9 @@ def format_result(r: dict) -> str:
     lines.append(f"  {e:12s} {v['tokens_per_s']:8.0f} tok/s  ({v['seconds']:.3f} s)")
   for e, why in r.get("skipped", {}).items():
     lines.append(f"  {e:12s} SKIPPED: {why}")
+  for peer, x in r["engines"].get("paged_jax_mkl", {}).items():
+    if peer.startswith("x_"):
+      lines.append(f"  paged_jax_mkl / {peer[2:]}: {x:.2f}x")
   ours = r["engines"].get("paged_jax")
   if ours:
     for peer in PEERS:

@@ -42,6 +42,9 @@ class ModelConfig:
     query_scale: softmax scale, or None for head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5).
     attn_soft_cap: attention scores become cap * tanh(scores / cap) (Gemma 2), or None.
     final_soft_cap: the same on the output logits (Gemma 2), or None.
+    matmul: how projections, MLPs and the LM head multiply (`paged_jax.matmul.BACKENDS`): "xla"
+      (`jax.lax.dot_general`, the default) or "mkl" (Intel MKL on a CPU, an optional extra).
+      Not a property of the checkpoint: runners set it (`serve --matmul`).
   """
   vocab_size: int
   hidden_size: int
@@ -68,6 +71,7 @@ class ModelConfig:
   query_scale: float | None = None
   attn_soft_cap: float | None = None
   final_soft_cap: float | None = None
+  matmul: str = "xla"
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_q_heads",
@@ -81,6 +85,8 @@ class ModelConfig:
       raise ValueError(f"head_dim={self.head_dim} must be even (rotary embeddings)")
     if self.dtype not in ("float32", "bfloat16"):
       raise ValueError(f"dtype={self.dtype!r} must be 'float32' or 'bfloat16'")
+    if self.matmul not in ("xla", "mkl"):   # paged_jax.matmul.BACKENDS (not imported here)
+      raise ValueError(f"matmul={self.matmul!r} must be 'xla' or 'mkl'")
     if self.sliding_window is not None and self.sliding_window < 1:
       raise ValueError(f"sliding_window={self.sliding_window} must be >= 1 (or None: no window)")
     if self.hidden_act not in HIDDEN_ACTS:

@@ -54,7 +54,8 @@ def cache_dir() -> str:
       os.path.expanduser("~"), ".cache", "paged_jax", "cpu_kernel")
 
 
-def _compiler() -> str | None:
+def compiler() -> str | None:
+  """The C++ compiler's path ($CXX, else c++), None if it is not on PATH."""
   return shutil.which(os.environ.get("CXX", "c++"))
 
 
@@ -67,47 +68,56 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def library_path(compiler: str) -> str:
-  """The cached library's path for this source, jaxlib, compiler and CPU."""
+def library_path(compiler: str, source: str = SOURCE, extra: tuple[str, ...] = ()) -> str:
+  """The cached library's path for this source, jaxlib, compiler, CPU and extra flags."""
   import jaxlib
   version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-  with open(SOURCE, "rb") as f:
+  with open(source, "rb") as f:
     key = hashlib.sha256(f.read())
-  for part in (jaxlib.__version__, version, " ".join(FLAGS), _cpu_flags()):
+  for part in (jaxlib.__version__, version, " ".join(FLAGS + tuple(extra)), _cpu_flags()):
     key.update(part.encode())
-  return os.path.join(cache_dir(), f"decode_attention-{key.hexdigest()[:16]}.so")
+  name = os.path.splitext(os.path.basename(source))[0]
+  return os.path.join(cache_dir(), f"{name}-{key.hexdigest()[:16]}.so")
 
 
-def build(compiler: str) -> str:
-  """Compiles the kernel (unless cached) and returns the library's path. Raises RuntimeError
-  with the compiler's message when it fails."""
-  path = library_path(compiler)
+def build(compiler: str, source: str = SOURCE, extra: tuple[str, ...] = ()) -> str:
+  """Compiles `source` (default: the decode kernel) against jaxlib's FFI headers, with `extra`
+  flags after it (include dirs, libraries), unless cached; returns the library's path. Raises
+  RuntimeError with the compiler's message when it fails. `matmul.py` builds its MKL call here."""
+  path = library_path(compiler, source, extra)
   if os.path.exists(path):
     return path
   os.makedirs(os.path.dirname(path), exist_ok=True)
   fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
   os.close(fd)
-  cmd = [compiler, *FLAGS, "-I", jax.ffi.include_dir(), SOURCE, "-o", tmp]
+  cmd = [compiler, *FLAGS, "-I", jax.ffi.include_dir(), source, "-o", tmp, *extra]
   done = subprocess.run(cmd, capture_output=True, text=True)
   if done.returncode:
     os.unlink(tmp)
-    raise RuntimeError(f"building the CPU kernel failed ({' '.join(cmd)}):\n{done.stderr[-2000:]}")
+    raise RuntimeError(f"building {os.path.basename(source)} failed ({' '.join(cmd)}):\n"
+                       f"{done.stderr[-2000:]}")
   os.replace(tmp, path)   # atomic: a concurrent process sees the whole library or none
   return path
+
+
+def load(source: str, symbol: str, target: str, extra: tuple[str, ...] = ()) -> str | None:
+  """Builds `source` (`build`), loads its FFI handler `symbol` and registers it as the CPU custom
+  call `target`; None on success, else why not (no compiler, a failed build, no such symbol)."""
+  compiler_path = compiler()
+  if compiler_path is None:
+    return f"no C++ compiler ({os.environ.get('CXX', 'c++')!r} is not on PATH; set $CXX)"
+  try:
+    handler = getattr(ctypes.CDLL(build(compiler_path, source, extra)), symbol)
+  except (RuntimeError, OSError, AttributeError) as e:
+    return str(e)
+  jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
+  return None
 
 
 @functools.cache
 def _load() -> str | None:
   """Builds, loads and registers the kernel once per process; None on success, else why not."""
-  compiler = _compiler()
-  if compiler is None:
-    return f"no C++ compiler ({os.environ.get('CXX', 'c++')!r} is not on PATH; set $CXX)"
-  try:
-    handler = ctypes.CDLL(build(compiler)).PagedJaxDecodeAttention
-  except (RuntimeError, OSError, AttributeError) as e:
-    return str(e)
-  jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
-  return None
+  return load(SOURCE, "PagedJaxDecodeAttention", TARGET)
 
 
 def unavailable_reason(device: jax.Device | None = None) -> str | None:

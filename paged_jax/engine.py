@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax import attention, cpu_kernel, kv_quant, model, page_ops, sharding, step
+from paged_jax import attention, cpu_kernel, kv_quant, matmul, model, page_ops, sharding, step
 from paged_jax import program_store as program_store_lib
 from paged_jax.config import CacheConfig, ModelConfig
 from paged_jax.host import batching
@@ -220,6 +220,12 @@ class Engine(EngineLoop):
                               else cpu_kernel.unavailable_reason(device))
     if impl == "cpu" and self.cpu_kernel_reason:
       raise ValueError(f"impl='cpu' cannot run here: {self.cpu_kernel_reason}")
+    if cfg.matmul == "mkl":   # registered now for the same reason; refused where it can't run
+      why = ("tensor parallelism (mesh=): the MKL call has no sharding rule"
+             if self.model_parallel > 1 else matmul.mkl_unavailable_reason(device))
+      if why:
+        raise ValueError(f"matmul='mkl' cannot run here: {why}")
+      logging.info("matmuls: Intel MKL (paged_jax.matmul.mkl_dot_general)")
     why = kv_quant.unsupported_reason(self.kv_format, uses_kernel=uses_kernel, device=device)
     if why:   # refused by name, never upcast behind the caller's back
       raise ValueError(f"the KV pool format cannot run here: {why}")

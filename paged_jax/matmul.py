@@ -15,14 +15,23 @@ f16), neither of which changes f32 programs:
   (SmolLM2's LM head at batch 1: 47 ms; padded to 2 rows 4.5 ms), so a one-row lhs is padded to two
   rows and the pad row dropped. Rows are independent, so the kept row is unchanged.
 
-Anything faster found later (an FFI call into a library, another layout) goes behind this same
-function, with `jax.lax.dot_general` as the reference the tests compare against.
+**Intel MKL on a CPU, optional** (`ModelConfig.matmul="mkl"`; `serve --matmul=mkl`). XLA:CPU's
+f32 dot is slow at the few rows of a decode step, and its bf16 dot at one row (see the numbers
+in `mkl_dot_general`). `cpu_matmul.cc` (beside this file) calls MKL's `cblas_sgemm` /
+`cblas_gemm_bf16bf16f32` (sequential, the columns split over XLA's intra-op threads) as an FFI
+custom call. It needs the `mkl` and `mkl-include` wheels (`pip install -e .[mkl]`); it is built
+on first use like `cpu_kernel` (same compiler, same cache), and `mkl_unavailable_reason()` says
+why it cannot run. `jax.lax.dot_general` stays the default and the reference in tests.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _NARROW = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -44,6 +53,96 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
   out = jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                             preferred_element_type=jnp.float32).astype(dt)
   return out[:1] if one_row else out
+
+
+BACKENDS = ("xla", "mkl")
+MKL_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_matmul.cc")
+MKL_TARGET = "paged_jax_cpu_matmul"
+# Columns of w per thread before a second thread takes half: an MLP projection of SmolLM2 (576
+# or 1,536 columns) is split, a tiny test matrix is not.
+MIN_COLUMNS_PER_THREAD = 256
+_MKL_LIBS = ("libmkl_intel_lp64.so", "libmkl_sequential.so", "libmkl_core.so")
+
+
+def mkl_build_flags() -> tuple[str, ...] | str:
+  """The compiler flags that find MKL's header and link its sequential libraries, from the
+  installed `mkl` / `mkl-include` wheels; a string saying what is missing otherwise."""
+  from importlib import metadata
+  try:
+    lib_files, inc_files = metadata.files("mkl") or [], metadata.files("mkl-include") or []
+  except metadata.PackageNotFoundError as e:
+    return f"Intel MKL is not installed ({e.name!r}: pip install -e .[mkl])"
+  header = next((f for f in inc_files if f.name == "mkl_cblas.h"), None)
+  libs = {want: next((f for f in lib_files if f.name.startswith(want + ".")), None)
+          for want in _MKL_LIBS}
+  missing = [name for name, f in libs.items() if f is None] + ([] if header else ["mkl_cblas.h"])
+  if missing:
+    return f"the installed MKL wheels lack {missing}"
+  lib_dir = os.path.dirname(str(libs["libmkl_core.so"].locate()))
+  return ("-I", os.path.dirname(str(header.locate())), "-L", lib_dir,
+          *(f"-l:{f.name}" for f in libs.values()), f"-Wl,-rpath,{lib_dir}")
+
+
+@functools.cache
+def _load_mkl() -> str | None:
+  """Builds, loads and registers the MKL call once per process; None on success, else why not."""
+  from paged_jax import cpu_kernel
+  flags = mkl_build_flags()
+  if isinstance(flags, str):
+    return flags
+  return cpu_kernel.load(MKL_SOURCE, "PagedJaxCpuMatmul", MKL_TARGET, flags)
+
+
+def mkl_unavailable_reason(device: jax.Device | None = None) -> str | None:
+  """Why the MKL matmul cannot run here (None if it can): it needs the CPU backend, the MKL
+  wheels and a C++ compiler; the first call builds and registers it."""
+  device = device or jax.devices()[0]
+  if device.platform != "cpu":
+    return f"the MKL matmul runs on the CPU backend; this device is {device.platform}"
+  return _load_mkl()
+
+
+def mkl_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+  """`dot_general` through Intel MKL where it applies, else `dot_general` itself.
+
+  It applies to f32 operands, and to bf16 ones with a single lhs row: one dtype, no batch
+  dimensions, the lhs contracting its last axis and the rhs its first ([k, n], a projection's
+  kernel) or its second ([n, k], the tied LM head), no preferred_element_type. The product is
+  accumulated in f32 (bf16: cast back once, as `dot_general` does). Why those: scratch timings
+  on this machine's 2 cores (20 SmolLM2 matrices in one program, ms per product, XLA -> MKL):
+  f32 [4 x 576] x [576 x 1536] 0.28 -> 0.17, [32 x 1536] x [1536 x 576] 0.47 -> 0.34,
+  [32 x 576] x [576 x 49152] 18.3 -> 15.1 (jax 0.10.2); bf16 [1 x 576] x [576 x 49152]
+  5.9 -> 1.9, but at 2-32 rows MKL's bf16 product was no faster than XLA's (YNNPACK) and up to
+  1.4x slower, so bf16 with more rows stays on XLA. `precision` is not passed on: XLA:CPU's f32
+  dot ignores it too (full f32 products). Raises a ValueError naming the reason where MKL cannot
+  run.
+  """
+  dt = jnp.result_type(lhs, rhs)
+  (lhs_c, rhs_c), (lhs_b, rhs_b) = dimension_numbers
+  rhs_c = tuple(rhs_c)
+  applies = (dt in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)) and lhs.dtype == rhs.dtype
+             and preferred_element_type is None and not lhs_b and not rhs_b and rhs.ndim == 2
+             and lhs.ndim >= 1 and tuple(lhs_c) == (lhs.ndim - 1,) and rhs_c in ((0,), (1,)))
+  rows = int(np.prod(lhs.shape[:-1]))
+  if not applies or (dt == jnp.dtype(jnp.bfloat16) and rows != 1):   # see the docstring
+    return dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
+  reason = mkl_unavailable_reason()
+  if reason is not None:
+    raise ValueError(f"the MKL matmul cannot run here: {reason}")
+  transpose = rhs_c == (1,)
+  lead, k = lhs.shape[:-1], lhs.shape[-1]
+  n = rhs.shape[0] if transpose else rhs.shape[1]
+  x = lhs.reshape(rows, k)
+  out = jax.ffi.ffi_call(MKL_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(
+      x, rhs, transpose_rhs=transpose, min_columns_per_thread=np.int64(MIN_COLUMNS_PER_THREAD))
+  return out.astype(dt).reshape(*lead, n)
+
+
+def for_backend(backend: str):
+  """The dot_general of a matmul backend name ("xla" or "mkl")."""
+  if backend not in BACKENDS:
+    raise ValueError(f"matmul={backend!r} is not one of {BACKENDS}")
+  return mkl_dot_general if backend == "mkl" else dot_general
 
 
 def matmul(x, w):

@@ -162,23 +162,26 @@ def norm(cfg: ModelConfig, name: str | None = None) -> RMSNorm:
   return RMSNorm(cfg.rms_norm_eps, jnp.dtype(cfg.dtype), cfg.unit_offset_norms, name=name)
 
 
-def _dense(features: int, name: str | None = None, dtype=None, bias: bool = False) -> nn.Dense:
+def _dense(features: int, name: str | None = None, dtype=None, bias: bool = False,
+           backend: str = "xla") -> nn.Dense:
   return nn.Dense(features, use_bias=bias, dtype=dtype, param_dtype=dtype, name=name,
-                  kernel_init=nn.initializers.normal(0.02), dot_general=matmul.dot_general)
+                  kernel_init=nn.initializers.normal(0.02),
+                  dot_general=matmul.for_backend(backend))
 
 
 class Embed(nn.Embed):
   """nn.Embed (same parameter) with a clamping gather: `jnp.take`'s default "fill" mode adds a
   select over every embedded value, and token ids are validated on the host already. `attend`
-  (the tied LM head) multiplies through `matmul.dot_general`."""
+  (the tied LM head) multiplies through the `matmul` backend's dot_general."""
+  matmul: str = "xla"
 
   def __call__(self, inputs):
     return jnp.take(self.embedding.astype(self.dtype), inputs, axis=0, mode="clip")
 
   def attend(self, query):
     """query: [T, hidden] -> [T, vocab] against the embedding rows (a tied LM head)."""
-    return matmul.dot_general(query.astype(self.dtype), self.embedding.astype(self.dtype),
-                              (((1,), (1,)), ((), ())))
+    return matmul.for_backend(self.matmul)(
+        query.astype(self.dtype), self.embedding.astype(self.dtype), (((1,), (1,)), ((), ())))
 
 
 class Attention(nn.Module):
@@ -196,9 +199,9 @@ class Attention(nn.Module):
     num_tokens = x.shape[0]
     cos, sin = rope
     xq, q_rope = (x, rope) if select is None else (x[select], (cos[select], sin[select]))
-    q = _dense(cfg.num_q_heads * cfg.head_dim, "q_proj", dt, cfg.attention_bias)(xq)
-    k = _dense(cfg.num_kv_heads * cfg.head_dim, "k_proj", dt, cfg.attention_bias)(x)
-    v = _dense(cfg.num_kv_heads * cfg.head_dim, "v_proj", dt, cfg.attention_bias)(x)
+    q = _dense(cfg.num_q_heads * cfg.head_dim, "q_proj", dt, cfg.attention_bias, cfg.matmul)(xq)
+    k = _dense(cfg.num_kv_heads * cfg.head_dim, "k_proj", dt, cfg.attention_bias, cfg.matmul)(x)
+    v = _dense(cfg.num_kv_heads * cfg.head_dim, "v_proj", dt, cfg.attention_bias, cfg.matmul)(x)
     q = q.reshape(q.shape[0], cfg.num_q_heads, cfg.head_dim)
     k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
@@ -210,7 +213,8 @@ class Attention(nn.Module):
     o, kv = kv.attend(self.layer if kv_layer is None else kv_layer, q, k, v,
                       sliding_window=cfg.layer_window(self.layer),
                       scale=cfg.query_scale, soft_cap=cfg.attn_soft_cap, select=select)
-    o = _dense(cfg.hidden_size, "o_proj", dt)(o.reshape(q.shape[0], -1).astype(dt))
+    o = _dense(cfg.hidden_size, "o_proj", dt, backend=cfg.matmul)(
+        o.reshape(q.shape[0], -1).astype(dt))
     return o, kv
 
 
@@ -239,9 +243,9 @@ class MLP(nn.Module):
   def __call__(self, x):
     """x: [T, hidden] -> [T, hidden]; rows are independent, so a long step runs in chunks."""
     dt = jnp.dtype(self.cfg.dtype)
-    gate = _dense(self.cfg.intermediate_size, "gate_proj", dt)
-    up = _dense(self.cfg.intermediate_size, "up_proj", dt)
-    down = _dense(self.cfg.hidden_size, "down_proj", dt)
+    gate = _dense(self.cfg.intermediate_size, "gate_proj", dt, backend=self.cfg.matmul)
+    up = _dense(self.cfg.intermediate_size, "up_proj", dt, backend=self.cfg.matmul)
+    down = _dense(self.cfg.hidden_size, "down_proj", dt, backend=self.cfg.matmul)
 
     def block(x):
       return down(activation(self.cfg.hidden_act, gate(x)) * up(x))
@@ -272,7 +276,7 @@ def _decode(cfg: ModelConfig, part, tokens, positions, kv, logits_indices, run_l
   """
   dt = jnp.dtype(cfg.dtype)
   embed = part("embed_tokens", Embed, cfg.vocab_size, cfg.hidden_size, dtype=dt, param_dtype=dt,
-               embedding_init=nn.initializers.normal(0.02))
+               embedding_init=nn.initializers.normal(0.02), matmul=cfg.matmul)
   x = embed(tokens)
   if cfg.scale_embeddings:   # Gemma: sqrt(hidden) rounded to the dtype first, as transformers
     # Materialized (computed_once), as a scan's carry is: fused into layer 0's norm instead,
@@ -292,7 +296,7 @@ def _decode(cfg: ModelConfig, part, tokens, positions, kv, logits_indices, run_l
   if cfg.tie_embeddings:
     logits = embed.attend(x)
   else:
-    logits = part("lm_head", _dense, cfg.vocab_size, dtype=dt)(x)
+    logits = part("lm_head", _dense, cfg.vocab_size, dtype=dt, backend=cfg.matmul)(x)
   logits = logits.astype(jnp.float32)
   if cfg.final_soft_cap is not None:
     logits = cfg.final_soft_cap * jnp.tanh(logits / cfg.final_soft_cap)

@@ -34,7 +34,8 @@ import jax
 import numpy as np
 
 from paged_jax import chat as chat_lib
-from paged_jax import attention, checkpoint, data_parallel, embedded, sharding, workloads
+from paged_jax import (attention, checkpoint, data_parallel, embedded, matmul, sharding,
+                       workloads)
 from paged_jax.config import DEFAULT_COMPILATION_CACHE, CacheConfig, enable_compilation_cache
 from paged_jax.engine import Engine
 from paged_jax.program_store import DEFAULT_PROGRAM_STORE
@@ -76,6 +77,7 @@ class ServeConfig:
   enable_prefix_caching: bool = True
   impl: str = "auto"
   dtype: str = "float32"
+  matmul: str = "xla"
   seed: int = 0
   warmup: str = "off"
   progress: bool = True
@@ -99,6 +101,8 @@ def load_model(cfg: ServeConfig):
   """(params, model config, tokenizer, eos ids) of --model or the embedded model."""
   path = cfg.model_dir or embedded.EMBEDDED_MODEL_DIR
   params, mcfg, tokenizer = checkpoint.load_checkpoint(path, cfg.dtype)
+  if cfg.matmul != mcfg.matmul:   # how to multiply is the runner's choice, not the checkpoint's
+    mcfg = dataclasses.replace(mcfg, matmul=cfg.matmul)
   return params, mcfg, tokenizer, checkpoint.load_eos_token_ids(path)
 
 
@@ -380,9 +384,9 @@ def report(r: dict) -> str:
 
 ENGINE_FIELDS = ("page_size", "num_pages", "kv_cache_bytes", "kv_cache_fraction", "kv_dtype",
                  "kv_scales", "max_num_seqs", "max_num_batched_tokens", "steps_per_sync",
-                 "preemption_mode", "reservation",
-                 "enable_prefix_caching", "impl", "dtype", "seed", "warmup", "validate_tables",
-                 "scrub_freed_pages", "mesh", "scan_layers")
+                 "preemption_mode", "reservation", "enable_prefix_caching", "impl", "dtype",
+                 "matmul", "seed", "warmup", "validate_tables", "scrub_freed_pages", "mesh",
+                 "scan_layers")
 
 
 def config_from_flags(f, **fields) -> ServeConfig:
@@ -440,6 +444,9 @@ def define_engine_flags():
                     "admission (the KV budget becomes its slot space).")
   flags.DEFINE_bool("enable_prefix_caching", True, "Share full pages by chained hash.")
   flags.DEFINE_enum("impl", "auto", list(attention.IMPLS), "Attention path.")
+  flags.DEFINE_enum("matmul", "xla", list(matmul.BACKENDS),
+                    "How the model multiplies: XLA's dot, or Intel MKL on a CPU (pip install "
+                    "-e .[mkl]; paged_jax.matmul).")
   flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter dtype.")
   flags.DEFINE_integer("seed", 0, "Workload and request seeds.")
   flags.DEFINE_enum("warmup", "off", list(WARMUPS),

@@ -352,6 +352,9 @@ def dense_logits(params, cfg, tokens) -> np.ndarray:
 # `.ci/run` sets PAGED_JAX_REQUIRE_TORCH=1: there a missing torch fails the cross-checks against
 # transformers instead of skipping them, so CI cannot pass without them having run.
 REQUIRE_TORCH = os.environ.get("PAGED_JAX_REQUIRE_TORCH") == "1"
+# And PAGED_JAX_REQUIRE_MKL=1 where it installs the `mkl` extra: there the MKL matmul's tests
+# fail, not skip, when it cannot run (tests/paged_jax/matmul_test.py).
+REQUIRE_MKL = os.environ.get("PAGED_JAX_REQUIRE_MKL") == "1"
 
 _DENSE_APPLY = {}
 

@@ -201,7 +201,7 @@ class BuildTest(absltest.TestCase):
     self.enterContext(mock.patch.dict(os.environ, {"PAGED_JAX_CPU_KERNEL_CACHE": self.dir}))
 
   def test_builds_once_into_the_cache_keyed_by_source_and_toolchain(self):
-    compiler = cpu_kernel._compiler()
+    compiler = cpu_kernel.compiler()
     path = cpu_kernel.build(compiler)
     self.assertEqual(os.path.dirname(path), self.dir)
     mtime = os.path.getmtime(path)
@@ -217,13 +217,13 @@ class BuildTest(absltest.TestCase):
       f.write("#!/bin/sh\necho 'fake 1.0'\n[ \"$1\" = --version ] || { echo 'no such thing' >&2;"
               " exit 1; }\n")
     os.chmod(fake, 0o755)
-    with self.assertRaisesRegex(RuntimeError, "building the CPU kernel failed .*\n.*no such thing"):
+    with self.assertRaisesRegex(RuntimeError, "building cpu_kernel.cc failed .*\n.*no such thing"):
       cpu_kernel.build(fake)
     self.assertEqual(os.listdir(self.dir), ["fake-c++"])        # the temporary is removed
 
   def test_no_compiler_is_named(self):
     with mock.patch.dict(os.environ, {"CXX": "no-such-c++"}):
-      self.assertIsNone(cpu_kernel._compiler())
+      self.assertIsNone(cpu_kernel.compiler())
       self.assertEqual(cpu_kernel._load.__wrapped__(),
                        "no C++ compiler ('no-such-c++' is not on PATH; set $CXX)")
 

@@ -4,6 +4,7 @@ converts a bf16 pool on every KV write (`engine.slow_narrow_kv_writes`). Values 
 against the plain ops."""
 
 import re
+from unittest import mock
 
 from absl.testing import absltest, parameterized
 import chex
@@ -12,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax import config, engine, kv_write, matmul, model, rope, testing
+from paged_jax.config import CacheConfig
+from paged_jax.sampling import SamplingParams
 
 _DIMS = (((1,), (0,)), ((), ()))
 
@@ -113,6 +116,128 @@ class NarrowKVWriteTest(absltest.TestCase):
     converts_pool = "f32[37,4,2,8]" in hlo
     self.assertEqual(engine.slow_narrow_kv_writes(jnp.bfloat16), converts_pool)
     self.assertFalse(engine.slow_narrow_kv_writes(jnp.float32))
+
+
+class MklTest(parameterized.TestCase):
+  """`matmul.mkl_dot_general` against float64 NumPy and XLA's dot. Needs the `mkl` extra: skipped
+  without it, saying why, except where PAGED_JAX_REQUIRE_MKL=1 (.ci/run's jax 0.12 stage)."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.reason = matmul.mkl_unavailable_reason()
+
+  def setUp(self):
+    super().setUp()
+    if self.reason and testing.REQUIRE_MKL:
+      self.fail(f"PAGED_JAX_REQUIRE_MKL=1 but the MKL matmul cannot run: {self.reason}")
+    if self.reason:
+      self.skipTest(self.reason)
+
+  def mkl(self, x, w, dims=_DIMS, **kw):
+    return jax.jit(lambda x, w: matmul.mkl_dot_general(x, w, dims, **kw))(x, w)
+
+  @parameterized.product(rows=(1, 3, 17), n=(8, 333, 1024), transpose=(False, True))
+  def test_f32_equals_the_float64_product(self, rows, n, transpose):
+    # n=333: column blocks that are not a multiple of 16; 1024: split over both threads.
+    x, w = _operands(rows, 40, n, jnp.float32, seed=rows * n)
+    rhs, dims = (w.T, (((1,), (1,)), ((), ()))) if transpose else (w, _DIMS)
+    got = self.mkl(x, jnp.asarray(np.asarray(rhs)), dims)
+    self.assertEqual((got.dtype, got.shape), (jnp.float32, (rows, n)))
+    ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+  def test_one_thread_and_two_give_the_same_product(self):
+    x, w = _operands(5, 64, 700, jnp.float32, seed=1)
+    two = self.mkl(x, w)
+    with mock.patch.object(matmul, "MIN_COLUMNS_PER_THREAD", 0):   # 0: the caller alone
+      one = self.mkl(x, w)
+    chex.assert_trees_all_equal(one, two)   # the same columns, each computed once either way
+
+  def test_bf16_one_row_is_the_f32_product_rounded_once(self):
+    x, w = _operands(1, 96, 300, jnp.bfloat16, seed=4)
+    got = self.mkl(x, w)
+    self.assertEqual(got.dtype, jnp.bfloat16)
+    self.assertIn(matmul.MKL_TARGET, _hlo(lambda x, w: matmul.mkl_dot_general(x, w, _DIMS), x, w))
+    ref = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
+    np.testing.assert_allclose(np.asarray(got, np.float32), ref, rtol=2 ** -8, atol=1e-5)
+
+  def test_what_mkl_does_not_take_is_xla_s_dot_exactly(self):
+    # bf16 at more than one row (measured slower in MKL), batch dims, an explicit output type,
+    # integers: dot_general itself, and no custom call in the program.
+    cases = [(*_operands(4, 32, 24, jnp.bfloat16), _DIMS, {}),
+             (*_operands(3, 16, 8, jnp.float32), _DIMS, dict(preferred_element_type=jnp.float32)),
+             (jnp.arange(12, dtype=jnp.int32).reshape(3, 4), jnp.ones((4, 2), jnp.int32), _DIMS,
+              {})]
+    batched = jnp.ones((2, 3, 4), jnp.float32)
+    cases.append((batched, batched.transpose(0, 2, 1), (((2,), (1,)), ((0,), (0,))), {}))
+    for x, w, dims, kw in cases:
+      fn = lambda x, w: matmul.mkl_dot_general(x, w, dims, **kw)
+      chex.assert_trees_all_equal(jax.jit(fn)(x, w), matmul.dot_general(x, w, dims, **kw))
+      self.assertNotIn(matmul.MKL_TARGET, _hlo(fn, x, w))
+
+  def test_leading_axes_and_empty_shapes(self):
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(2, 3, 8)), jnp.float32)
+    w = jnp.asarray(np.random.default_rng(3).normal(size=(8, 5)), jnp.float32)
+    got = self.mkl(x, w, (((2,), (0,)), ((), ())))
+    np.testing.assert_allclose(got, np.asarray(x) @ np.asarray(w), rtol=1e-5, atol=1e-5)
+    self.assertEqual(self.mkl(jnp.zeros((0, 8)), w).shape, (0, 5))
+    chex.assert_trees_all_equal(self.mkl(jnp.ones((3, 0)), jnp.ones((0, 5))), jnp.zeros((3, 5)))
+
+  def test_model_and_engine_on_mkl_match_xla(self):
+    # The tied head ([n, k]) and every projection through MKL: logits within f32 summation
+    # order of XLA's, and the same greedy tokens through the engine.
+    cfg = config.tiny_config(tie_embeddings=True)
+    params = testing.random_params(cfg, seed=5)
+    tokens = jnp.arange(1, 12, dtype=jnp.int32)
+    logits = {}
+    for backend in matmul.BACKENDS:
+      c = config.tiny_config(tie_embeddings=True, matmul=backend)
+      logits[backend] = testing.dense_logits(params, c, np.asarray(tokens))
+    np.testing.assert_allclose(logits["mkl"], logits["xla"], rtol=1e-5, atol=1e-5)
+    outs = {}
+    for backend in matmul.BACKENDS:
+      e = engine.Engine(params, config.tiny_config(tie_embeddings=True, matmul=backend),
+                        cache=CacheConfig(page_size=4, num_pages=40))
+      got = e.generate([[3, 4, 5], [9, 8, 7, 6, 5, 4]], SamplingParams(max_tokens=6,
+                                                                       ignore_eos=True))
+      outs[backend] = [o.outputs[0].token_ids for o in got]
+    self.assertEqual(outs["mkl"], outs["xla"])
+
+  def test_decode_round_bench_times_each_backend(self):
+    from experiments import decode_round_bench
+    r = decode_round_bench.run(decode_round_bench.RoundConfig(
+        prompt_tokens=20, steps_per_sync=2, rows=(1,), items_per_chunk=(0,), rounds=1,
+        matmul=("xla", "mkl"), impl="cpu"))
+    self.assertEqual([x["matmul"] for x in r["rows"]], ["xla", "mkl"])
+    self.assertTrue(all(x["ms_per_step"] > 0 for x in r["rows"]))
+    self.assertIn("attention impl cpu", decode_round_bench.format_result(r))
+
+
+class MklRefusalTest(absltest.TestCase):
+  """What runs without MKL: bad names, a missing extra, an engine that cannot have it."""
+
+  def test_bad_backend_names_are_refused_by_name(self):
+    with self.assertRaisesRegex(ValueError, "matmul='blas'"):
+      config.tiny_config(matmul="blas")
+    with self.assertRaisesRegex(ValueError, "matmul='blas' is not one of"):
+      matmul.for_backend("blas")
+
+  def test_a_missing_extra_is_named(self):
+    from importlib import metadata
+    with mock.patch.object(metadata, "files", side_effect=metadata.PackageNotFoundError("mkl")):
+      self.assertEqual(matmul.mkl_build_flags(),
+                       "Intel MKL is not installed ('mkl': pip install -e .[mkl])")
+
+  def test_engine_refuses_mkl_where_it_cannot_run_and_mkl_dot_general_too(self):
+    cfg = config.tiny_config(matmul="mkl")
+    params = testing.random_params(config.tiny_config(), seed=0)   # the same parameters
+    with mock.patch.object(matmul, "mkl_unavailable_reason", return_value="no MKL here"):
+      with self.assertRaisesRegex(ValueError, "matmul='mkl' cannot run here: no MKL here"):
+        engine.Engine(params, cfg, cache=CacheConfig(page_size=4, num_pages=8))
+      x, w = _operands(2, 8, 4, jnp.float32)
+      with self.assertRaisesRegex(ValueError, "the MKL matmul cannot run here: no MKL here"):
+        matmul.mkl_dot_general(x, w, _DIMS)
 
 
 if __name__ == "__main__":
