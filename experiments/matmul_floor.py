@@ -11,11 +11,15 @@ For each shape a step multiplies (prefill's MLP and projections over --tokens ro
                 `paged_jax.matmul`);
   bf16_ours     `paged_jax.matmul.dot_general` (bf16 operands, f32 accumulation and result, cast
                 back; a single row padded to two);
+  mkl_f32 / mkl_bf16       `paged_jax.matmul.mkl_matmul` (Intel MKL through XLA's FFI, f32
+                result), when the `mkl` extra is installed (--backends);
   torch_f32 / torch_bf16   torch.matmul at the same threads, when torch is installed (oneDNN).
 
 and prints GFLOP/s and the weight-read rate (GB/s of the [k, n] operand), with the machine's
 read bandwidth (an XLA sum over 512 MiB) and the rate of an n x n x n f32 matmul beside them.
-Appends one JSONL record with the JAX version, so runs under jaxlib 0.10 / 0.11 / 0.12 compare.
+Appends one JSONL record with the JAX version and the CPU's maker and model, so runs under
+jaxlib 0.10 / 0.11 / 0.12, and on Intel and AMD machines, compare (MKL's rate depends on the
+maker: `paged_jax.matmul.mkl_slow_reason`).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ class FloorConfig:
   rows: int = 32             # its decode batch
   rounds: int = 7
   threads: int = 2
+  mkl: bool = True           # the mkl_* routes, where MKL can run
   read_mib: int = 512        # the read-bandwidth probe's array
 
 
@@ -91,11 +96,23 @@ def _torch_routes(threads: int):
   return {"torch_f32": route(torch.float32), "torch_bf16": route(torch.bfloat16)}
 
 
+def cpu_model() -> str:
+  """The CPU's model name from /proc/cpuinfo ("" where it has none)."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      return next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), "")
+  except OSError:
+    return ""
+
+
 def run(cfg: FloorConfig) -> dict:
   dot = lambda x, w: jnp.dot(x, w)                                      # noqa: E731
   ours = lambda x, w: matmul.dot_general(x, w, (((1,), (0,)), ((), ())))  # noqa: E731
   xla = {"f32": (jax.jit(dot), jnp.float32), "bf16_plain": (jax.jit(dot), jnp.bfloat16),
          "bf16_ours": (jax.jit(ours), jnp.bfloat16)}
+  if cfg.mkl and matmul.mkl_unavailable_reason() is None:
+    mkl = jax.jit(matmul.mkl_matmul)
+    xla.update({"mkl_f32": (mkl, jnp.float32), "mkl_bf16": (mkl, jnp.bfloat16)})
   peers = _torch_routes(cfg.threads)
   rows = []
   rng = np.random.default_rng(0)
@@ -109,14 +126,16 @@ def run(cfg: FloorConfig) -> dict:
     rows.append(row)
   n = min(2048, 8 * cfg.hidden)
   square = jnp.ones((n, n), jnp.float32)
-  return {"jax": jax.__version__, "config": dataclasses.asdict(cfg), "rows": rows,
+  return {"jax": jax.__version__, "cpu_vendor": matmul.cpu_vendor(), "cpu_model": cpu_model(),
+          "config": dataclasses.asdict(cfg), "rows": rows,
           "read_bandwidth": read_bandwidth(mib=cfg.read_mib),
           "square_f32_flops": 2 * n ** 3 / _time(jax.jit(dot), (square, square), cfg.rounds)}
 
 
 def format_result(r: dict) -> str:
   routes = [k for k in r["rows"][0] if k not in ("shape", "m", "k", "n")]
-  lines = [f"jax {r['jax']}: read bandwidth {r['read_bandwidth'] / 1e9:.1f} GB/s, "
+  lines = [f"jax {r['jax']} on {r.get('cpu_model') or r.get('cpu_vendor') or 'an unknown CPU'}"
+           f": read bandwidth {r['read_bandwidth'] / 1e9:.1f} GB/s, "
            f"f32 {min(2048, 8 * r['config']['hidden'])}^3 matmul "
            f"{r['square_f32_flops'] / 1e9:.0f} GFLOP/s",
            f"{'shape':18s} {'m x k x n':>18s}  " + "  ".join(f"{k:>22s}" for k in routes)]
@@ -136,7 +155,7 @@ def main(argv):
   from absl import flags
   f = flags.FLAGS
   r = run(FloorConfig(hidden=f.hidden, intermediate=f.intermediate, kv=f.kv, vocab=f.vocab,
-                      tokens=f.tokens, rows=f.rows, rounds=f.rounds))
+                      tokens=f.tokens, rows=f.rows, rounds=f.rounds, mkl=f.mkl))
   print(format_result(r))
   if f.out:
     output.append_jsonl(r, f.out)
@@ -151,5 +170,6 @@ if __name__ == "__main__":
   flags.DEFINE_integer("tokens", FloorConfig.tokens, "Prefill rows.")
   flags.DEFINE_integer("rows", FloorConfig.rows, "Decode rows.")
   flags.DEFINE_integer("rounds", FloorConfig.rounds, "Timed rounds (best is reported).")
+  flags.DEFINE_bool("mkl", FloorConfig.mkl, "Time the mkl_* routes where MKL can run.")
   flags.DEFINE_string("out", "experiments/results/matmul_floor.jsonl", "JSONL to append to.")
   app.run(main)

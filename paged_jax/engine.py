@@ -226,6 +226,8 @@ class Engine(EngineLoop):
       if why:
         raise ValueError(f"matmul='mkl' cannot run here: {why}")
       logging.info("matmuls: Intel MKL (paged_jax.matmul.mkl_dot_general)")
+      if slow := matmul.mkl_slow_reason():
+        logging.warning("matmul='mkl': %s", slow)
     why = kv_quant.unsupported_reason(self.kv_format, uses_kernel=uses_kernel, device=device)
     if why:   # refused by name, never upcast behind the caller's back
       raise ValueError(f"the KV pool format cannot run here: {why}")

@@ -22,6 +22,12 @@ in `mkl_dot_general`). `cpu_matmul.cc` (beside this file) calls MKL's `cblas_sge
 custom call. It needs the `mkl` and `mkl-include` wheels (`pip install -e .[mkl]`); it is built
 on first use like `cpu_kernel` (same compiler, same cache), and `mkl_unavailable_reason()` says
 why it cannot run. `jax.lax.dot_general` stays the default and the reference in tests.
+
+MKL's speed depends on the CPU's maker: it dispatches its tuned kernels on Intel CPUs only. On
+an AMD EPYC (Zen 4, AVX-512) it loads its generic kernels (`libmkl_def`): the engine ran 0.93x
+as fast in f32 as on XLA's dots, and the one-row bf16 LM head took 20x XLA's time
+(`experiments/matmul_floor.py`, `serve_bench`; the results page). So off Intel bf16 stays on
+XLA, and `mkl_slow_reason()` names the maker for the engine's warning.
 """
 
 from __future__ import annotations
@@ -102,20 +108,45 @@ def mkl_unavailable_reason(device: jax.Device | None = None) -> str | None:
   return _load_mkl()
 
 
+def cpu_vendor() -> str:
+  """The CPU's maker as the kernel reports it (`GenuineIntel`, `AuthenticAMD`, ...), or "" where
+  /proc/cpuinfo has no vendor_id line (not Linux, or not x86)."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("vendor_id"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return ""
+
+
+def mkl_slow_reason(vendor: str | None = None) -> str | None:
+  """Why MKL is likely slower than XLA here (None on an Intel CPU): MKL runs its tuned kernels
+  on Intel CPUs only and its generic ones elsewhere."""
+  vendor = cpu_vendor() if vendor is None else vendor
+  if vendor == "GenuineIntel":
+    return None
+  return (f"this CPU is {vendor or 'of an unknown maker'!r}, not GenuineIntel: MKL runs its "
+          "generic kernels here (0.93x XLA's dots end to end in f32 on an AMD EPYC)")
+
+
 def mkl_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
   """`dot_general` through Intel MKL where it applies, else `dot_general` itself.
 
-  It applies to f32 operands, and to bf16 ones with a single lhs row: one dtype, no batch
-  dimensions, the lhs contracting its last axis and the rhs its first ([k, n], a projection's
-  kernel) or its second ([n, k], the tied LM head), no preferred_element_type. The product is
-  accumulated in f32 (bf16: cast back once, as `dot_general` does). Why those: scratch timings
-  on this machine's 2 cores (20 SmolLM2 matrices in one program, ms per product, XLA -> MKL):
-  f32 [4 x 576] x [576 x 1536] 0.28 -> 0.17, [32 x 1536] x [1536 x 576] 0.47 -> 0.34,
-  [32 x 576] x [576 x 49152] 18.3 -> 15.1 (jax 0.10.2); bf16 [1 x 576] x [576 x 49152]
-  5.9 -> 1.9, but at 2-32 rows MKL's bf16 product was no faster than XLA's (YNNPACK) and up to
-  1.4x slower, so bf16 with more rows stays on XLA. `precision` is not passed on: XLA:CPU's f32
-  dot ignores it too (full f32 products). Raises a ValueError naming the reason where MKL cannot
-  run.
+  It applies to f32 operands, and to bf16 ones with a single lhs row on an Intel CPU: one
+  dtype, no batch dimensions, the lhs contracting its last axis and the rhs its first ([k, n], a
+  projection's kernel) or its second ([n, k], the tied LM head), no preferred_element_type. The
+  product is accumulated in f32 (bf16: cast back once, as `dot_general` does). Why those:
+  scratch timings on an Intel Xeon with AMX, 2 cores (20 SmolLM2 matrices in one program, ms
+  per product, XLA -> MKL): f32 [4 x 576] x [576 x 1536] 0.28 -> 0.17, [32 x 1536] x
+  [1536 x 576] 0.47 -> 0.34, [32 x 576] x [576 x 49152] 18.3 -> 15.1 (jax 0.10.2); bf16
+  [1 x 576] x [576 x 49152] 5.9 -> 1.9, but at 2-32 rows MKL's bf16 product was no faster than
+  XLA's (YNNPACK) and up to 1.4x slower, so bf16 with more rows stays on XLA. On an AMD EPYC
+  MKL's generic kernels took that one-row bf16 head 20x XLA's time (74 against 3.6 ms,
+  `experiments/matmul_floor.py`), so off Intel (`mkl_slow_reason`) bf16 stays on XLA too.
+  `precision` is not passed on: XLA:CPU's f32 dot ignores it too (full f32 products). Raises a
+  ValueError naming the reason where MKL cannot run.
   """
   dt = jnp.result_type(lhs, rhs)
   (lhs_c, rhs_c), (lhs_b, rhs_b) = dimension_numbers
@@ -124,18 +155,26 @@ def mkl_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
              and preferred_element_type is None and not lhs_b and not rhs_b and rhs.ndim == 2
              and lhs.ndim >= 1 and tuple(lhs_c) == (lhs.ndim - 1,) and rhs_c in ((0,), (1,)))
   rows = int(np.prod(lhs.shape[:-1]))
-  if not applies or (dt == jnp.dtype(jnp.bfloat16) and rows != 1):   # see the docstring
+  if not applies or (dt == jnp.dtype(jnp.bfloat16)                    # see the docstring
+                      and (rows != 1 or mkl_slow_reason() is not None)):
     return dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
+  transpose = rhs_c == (1,)
+  out = mkl_matmul(lhs.reshape(rows, lhs.shape[-1]), rhs, transpose)
+  return out.astype(dt).reshape(*lhs.shape[:-1], out.shape[-1])
+
+
+def mkl_matmul(x, w, transpose: bool = False):
+  """The MKL call itself, at any row count (no routing): f32[m, n] = x @ w.
+
+  x: f32 or bf16 [m, k]; w: the same dtype, [k, n] (or [n, k] with `transpose`). Raises a
+  ValueError naming the reason where MKL cannot run.
+  """
   reason = mkl_unavailable_reason()
   if reason is not None:
     raise ValueError(f"the MKL matmul cannot run here: {reason}")
-  transpose = rhs_c == (1,)
-  lead, k = lhs.shape[:-1], lhs.shape[-1]
-  n = rhs.shape[0] if transpose else rhs.shape[1]
-  x = lhs.reshape(rows, k)
-  out = jax.ffi.ffi_call(MKL_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(
-      x, rhs, transpose_rhs=transpose, min_columns_per_thread=np.int64(MIN_COLUMNS_PER_THREAD))
-  return out.astype(dt).reshape(*lead, n)
+  n = w.shape[0] if transpose else w.shape[1]
+  return jax.ffi.ffi_call(MKL_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(
+      x, w, transpose_rhs=transpose, min_columns_per_thread=np.int64(MIN_COLUMNS_PER_THREAD))
 
 
 def for_backend(backend: str):

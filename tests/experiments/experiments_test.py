@@ -327,12 +327,17 @@ class ExperimentsTest(absltest.TestCase):
     self.assertEqual([(x["m"], x["k"], x["n"]) for x in r["rows"]],
                      [s[1:] for s in matmul_floor.shapes(cfg)])
     import importlib.util
+    from paged_jax import matmul
     torch = {"torch_f32", "torch_bf16"} if importlib.util.find_spec("torch") else set()
-    routes = {"f32", "bf16_plain", "bf16_ours"} | torch
+    mkl = {"mkl_f32", "mkl_bf16"} if matmul.mkl_unavailable_reason() is None else set()
+    routes = {"f32", "bf16_plain", "bf16_ours"} | torch | mkl
     for row in r["rows"]:
       self.assertEqual(set(row) - {"shape", "m", "k", "n"}, routes)
       self.assertTrue(all(row[k] > 0 for k in routes))
     self.assertGreater(r["read_bandwidth"], 0)
+    self.assertEqual(r["cpu_vendor"], matmul.cpu_vendor())
+    r_no_mkl = matmul_floor.run(dataclasses.replace(cfg, mkl=False))
+    self.assertFalse({"mkl_f32", "mkl_bf16"} & set(r_no_mkl["rows"][0]))
     text = matmul_floor.format_result(r)
     self.assertIn("batch-1 lm head", text)
     self.assertIn("bf16_ours", text)

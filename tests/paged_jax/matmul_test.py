@@ -154,13 +154,43 @@ class MklTest(parameterized.TestCase):
       one = self.mkl(x, w)
     chex.assert_trees_all_equal(one, two)   # the same columns, each computed once either way
 
-  def test_bf16_one_row_is_the_f32_product_rounded_once(self):
+  @mock.patch.object(matmul, "cpu_vendor", return_value="GenuineIntel")
+  def test_bf16_one_row_is_the_f32_product_rounded_once(self, _):
     x, w = _operands(1, 96, 300, jnp.bfloat16, seed=4)
     got = self.mkl(x, w)
     self.assertEqual(got.dtype, jnp.bfloat16)
     self.assertIn(matmul.MKL_TARGET, _hlo(lambda x, w: matmul.mkl_dot_general(x, w, _DIMS), x, w))
     ref = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
     np.testing.assert_allclose(np.asarray(got, np.float32), ref, rtol=2 ** -8, atol=1e-5)
+
+  def test_off_intel_bf16_stays_on_xla_and_f32_goes_to_mkl(self):
+    # MKL's generic kernels (what it runs on an AMD CPU) were 20x XLA on the one-row bf16 head.
+    fn = lambda x, w: matmul.mkl_dot_general(x, w, _DIMS)   # noqa: E731
+    xb, wb = _operands(1, 32, 24, jnp.bfloat16)
+    xf, wf = _operands(1, 32, 24, jnp.float32)
+    with mock.patch.object(matmul, "cpu_vendor", return_value="AuthenticAMD"):
+      self.assertNotIn(matmul.MKL_TARGET, _hlo(fn, xb, wb))
+      chex.assert_trees_all_equal(jax.jit(fn)(xb, wb), matmul.dot_general(xb, wb, _DIMS))
+      self.assertIn(matmul.MKL_TARGET, _hlo(fn, xf, wf))
+
+  @parameterized.parameters(1, 5, 33)
+  def test_mkl_matmul_takes_bf16_at_any_rows(self, rows):
+    # The raw call (matmul_floor's mkl_bf16 route) has no routing rule: bf16 at many rows too.
+    x, w = _operands(rows, 64, 300, jnp.bfloat16, seed=rows)
+    got = jax.jit(matmul.mkl_matmul)(x, w)
+    self.assertEqual((got.dtype, got.shape), (jnp.float32, (rows, 300)))
+    ref = np.asarray(x, np.float32) @ np.asarray(w, np.float32)   # exact products
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-4)    # f32 summation order
+
+  def test_engine_warns_where_mkl_is_likely_slow(self):
+    params = testing.random_params(config.tiny_config(), seed=0)
+    cache = CacheConfig(page_size=4, num_pages=8)
+    for vendor, warned in (("AuthenticAMD", True), ("GenuineIntel", False)):
+      with mock.patch.object(matmul, "cpu_vendor", return_value=vendor), \
+           self.assertLogs(level="INFO") as logs:
+        engine.Engine(params, config.tiny_config(matmul="mkl"), cache=cache)
+      text = "\n".join(logs.output)
+      self.assertEqual(f"'{vendor}', not GenuineIntel" in text, warned, text)
 
   def test_what_mkl_does_not_take_is_xla_s_dot_exactly(self):
     # bf16 at more than one row (measured slower in MKL), batch dims, an explicit output type,
@@ -228,6 +258,20 @@ class MklRefusalTest(absltest.TestCase):
     with mock.patch.object(metadata, "files", side_effect=metadata.PackageNotFoundError("mkl")):
       self.assertEqual(matmul.mkl_build_flags(),
                        "Intel MKL is not installed ('mkl': pip install -e .[mkl])")
+
+  def test_cpu_vendor_is_read_from_proc_cpuinfo(self):
+    text = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n"
+    with mock.patch("builtins.open", mock.mock_open(read_data=text)):
+      self.assertEqual(matmul.cpu_vendor(), "AuthenticAMD")
+    with mock.patch("builtins.open", mock.mock_open(read_data="processor\t: 0\n")):
+      self.assertEqual(matmul.cpu_vendor(), "")
+    with mock.patch("builtins.open", side_effect=OSError("no /proc")):
+      self.assertEqual(matmul.cpu_vendor(), "")
+
+  def test_mkl_slow_reason_names_a_maker_other_than_intel(self):
+    self.assertIsNone(matmul.mkl_slow_reason("GenuineIntel"))
+    self.assertIn("'AuthenticAMD', not GenuineIntel", matmul.mkl_slow_reason("AuthenticAMD"))
+    self.assertIn("unknown maker", matmul.mkl_slow_reason(""))
 
   def test_engine_refuses_mkl_where_it_cannot_run_and_mkl_dot_general_too(self):
     cfg = config.tiny_config(matmul="mkl")
