@@ -305,13 +305,15 @@ def load_tokenizer(path: str):
     raise CheckpointError(f"{file}: cannot read the tokenizer ({e})") from None
 
 
-def load_checkpoint(path: str, dtype: str = "float32"):
+def load_checkpoint(path: str, dtype: str = "float32", stacked: bool = False):
   """Loads a Hugging Face-format directory or a GGUF file (`paged_jax.gguf_file`).
 
   Args:
     path: a local directory with config.json and *.safetensors (and optionally tokenizer.json),
       or a `.gguf` file.
     dtype: "float32" or "bfloat16": parameters are cast to it.
+    stacked: return the params in `model.stack_layers`' layout (what `Engine(scan_layers=True)`
+      runs). A GGUF file's converted-model cache stores them stacked, so then this is no copy.
 
   Returns:
     (params, cfg, tokenizer): Flax params for `model.Decoder(cfg)`, the ModelConfig, and a
@@ -321,7 +323,7 @@ def load_checkpoint(path: str, dtype: str = "float32"):
     raise CheckpointError(f"dtype={dtype!r} is not supported; load as 'float32' or 'bfloat16'")
   if path.endswith(".gguf") or os.path.isfile(path):
     from paged_jax import gguf_file
-    return gguf_file.load(path, dtype)
+    return gguf_file.load(path, dtype, stacked)
   config_file = os.path.join(path, "config.json")
   if not os.path.isdir(path):
     raise CheckpointError(f"{path} is not a directory")
@@ -333,6 +335,9 @@ def load_checkpoint(path: str, dtype: str = "float32"):
   except CheckpointError as e:
     raise CheckpointError(f"{config_file}: {e}") from None
   params = assemble_params(cfg, FAMILIES[family_of(hf)], _safetensors_tensors(path), path)
+  if stacked:
+    from paged_jax import model
+    params = model.stack_layers(params, cfg)
   return params, cfg, load_tokenizer(path)
 
 

@@ -150,7 +150,9 @@ class Engine(EngineLoop):
       (`model.stack_layers`): every step compiles one layer body per group of layers, not one
       per layer (compile time stops growing with depth). Off: the layers are unrolled, which
       reads each weight in place (a scan slices each layer's weights out of the stack, a copy
-      on XLA:CPU; `experiments.layer_loop_bench`). Not yet with a mesh.
+      on XLA:CPU; `experiments.layer_loop_bench`). Not yet with a mesh. Params already in
+      that layout (`load_checkpoint(..., stacked=True)`) are taken as they are; they need
+      scan_layers=True.
     program_store: a directory of compiled step programs (`paged_jax.program_store`): a
       program the engine needs is loaded from it (no trace, no compile) or compiled and kept
       there, so a restarted engine loads each program (~0.1-0.2 s for SmolLM2's scanned
@@ -169,6 +171,10 @@ class Engine(EngineLoop):
     if program_store and mesh is not None:
       raise ValueError("program_store with a mesh is not supported (sharded executables are "
                        "not stored): leave program_store=None on a mesh")
+    stacked = params is not None and model.is_stacked(params)
+    if stacked and not scan_layers:
+      raise ValueError("params are in model.stack_layers' layout: pass scan_layers=True (or "
+                       "per-layer params)")
     if scan_layers and mesh is not None:
       raise ValueError("scan_layers=True with a mesh is not supported yet (the stacked params' "
                        "shardings): run the layers unrolled (scan_layers=False) on a mesh")
@@ -182,7 +188,7 @@ class Engine(EngineLoop):
       params = sharding.shard_params(params, cfg, mesh)   # checks the heads divide
     else:   # host (NumPy) params would be copied to the device by every step
       params = jax.device_put(params)
-    if scan_layers and params is not None:
+    if scan_layers and params is not None and not stacked:
       params = model.stack_layers(params, cfg)
     self.params, self.cfg, self.impl = params, cfg, impl
     self.validate_tables = (os.environ.get("PAGED_JAX_VALIDATE_TABLES") == "1"

@@ -100,7 +100,8 @@ class _Request:
 def load_model(cfg: ServeConfig):
   """(params, model config, tokenizer, eos ids) of --model or the embedded model."""
   path = cfg.model_dir or embedded.EMBEDDED_MODEL_DIR
-  params, mcfg, tokenizer = checkpoint.load_checkpoint(path, cfg.dtype)
+  # Stacked for --scan_layers here, not by the engine: from a GGUF's cache that is no copy.
+  params, mcfg, tokenizer = checkpoint.load_checkpoint(path, cfg.dtype, stacked=cfg.scan_layers)
   if cfg.matmul != mcfg.matmul:   # how to multiply is the runner's choice, not the checkpoint's
     mcfg = dataclasses.replace(mcfg, matmul=cfg.matmul)
   return params, mcfg, tokenizer, checkpoint.load_eos_token_ids(path)

@@ -8,6 +8,7 @@ the thing. The real pretrained model (SmolLM2-135M-Instruct, Q4_1) is in `tests/
 smollm2_test.py` (the slow tier).
 """
 
+import gc
 import os
 import shutil
 import tempfile
@@ -144,6 +145,29 @@ class WrittenGGUFTest(parameterized.TestCase):
     self.assertEqual(str(ours["layers_0_mlp"]["up_proj"]["kernel"].dtype), "bfloat16")
 
 
+class CacheLayoutTest(absltest.TestCase):
+  """How the converted-model cache lays params out as files, and back (no GGUF file needed)."""
+
+  def test_periodic_groups_are_strided_views_of_the_stacks(self):
+    # Gemma 3's pattern (S S F twice, then S, then the last layer): groups (0, 3, 2), (6, 1, 1),
+    # (7, 1, 1), so phase j of group 0 is layers j and j + 3, every third row of each stack.
+    from paged_jax import config, gguf_file, model
+    cfg = config.tiny_config(num_layers=8, sliding_window=3, local_rope_theta=50.0,
+                             layer_types=(("sliding_attention",) * 2 + ("full_attention",)) * 2
+                             + ("sliding_attention",) * 2)
+    self.assertEqual(model.layer_groups(cfg), ((0, 3, 2), (6, 1, 1), (7, 1, 1)))
+    params = testing.random_params(cfg, seed=4)
+    files = gguf_file._param_files(params, cfg.num_layers)
+    got = gguf_file._params_from_files(files, cfg, stacked=True)
+    want = model.stack_layers(params, cfg)
+    self.assertEqual(jax.tree.structure(got), jax.tree.structure(want))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      self.assertEqual(a.shape, b.shape)
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    stack = files["layers~mlp~up_proj~kernel"]
+    self.assertTrue(np.shares_memory(got["layers"][0][1]["mlp"]["up_proj"]["kernel"], stack))
+
+
 @absltest.skipIf(gguf is None and not testing.REQUIRE_TORCH, NEEDS)
 class ConvertedCacheTest(absltest.TestCase):
   """The converted-model cache: a second load reads neither the file's metadata nor its
@@ -190,23 +214,87 @@ class ConvertedCacheTest(absltest.TestCase):
     self.assertEqual(self.gguf_file._metadata_cached.__wrapped__(self.path, 0, 0), meta)
 
   def test_a_new_version_of_the_file_or_a_damaged_entry_is_converted_again(self):
-    checkpoint.load_checkpoint(self.path)
+    # The loaded params map the cache's files: a file cut short under a live mapping is a
+    # SIGBUS on the next read (as with any mmap: the cache itself only ever renames files into
+    # place), so the test keeps copies and lets go of each load before damaging its files.
+    first = [np.array(x, copy=True) for x in jax_leaves(checkpoint.load_checkpoint(self.path)[0])]
+    gc.collect()
     (entry,) = os.listdir(os.environ["PAGED_JAX_GGUF_CACHE"])
-    npz = os.path.join(os.environ["PAGED_JAX_GGUF_CACHE"], entry, "params-float32.npz")
-    with open(npz, "wb") as f:
-      f.write(b"not a zip")
-    with self.assertLogs(level="WARNING") as logs:
-      params, _, _ = checkpoint.load_checkpoint(self.path)
-    self.assertIn("unreadable", logs.output[0])
-    self.assertEqual(jax.tree.structure(params),
-                     jax.tree.structure(testing.random_params(self.cfg, seed=0)))
+    folder = os.path.join(os.environ["PAGED_JAX_GGUF_CACHE"], entry, "params-float32")
+    stem = "layers~mlp~up_proj~kernel"
+    damage = {"garbage": lambda f: open(f, "wb").write(b"not an npy file"),
+              "truncated": lambda f: os.truncate(f, os.path.getsize(f) - 4),
+              "missing": os.remove,
+              "another shape": lambda f: np.save(f, np.zeros((2, 3), np.float32))}
+    for what, spoil in damage.items():
+      with self.subTest(what):
+        spoil(os.path.join(folder, f"{stem}.npy"))
+        with self.assertLogs(level="WARNING") as logs:
+          params, _, _ = checkpoint.load_checkpoint(self.path)
+        self.assertIn("unreadable", logs.output[0])
+        self.assertEqual(jax.tree.structure(params),
+                         jax.tree.structure(testing.random_params(self.cfg, seed=0)))
+        for a, b in zip(jax_leaves(params), first):
+          np.testing.assert_array_equal(a, b)
+        self.assertIsNotNone(self.gguf_file._load_converted(   # rewritten whole
+            os.path.join(os.environ["PAGED_JAX_GGUF_CACHE"], entry), "float32"))
+        del params
+        gc.collect()
     gguf_file = self.gguf_file
     gguf_file.save(testing.random_params(self.cfg, seed=1), self.cfg, self.path,
                    tensor_type="Q8_0")   # rewritten: another size or mtime, another entry
     os.utime(self.path, ns=(1, 1))
     changed, _, _ = checkpoint.load_checkpoint(self.path)
     self.assertEqual(len(os.listdir(os.environ["PAGED_JAX_GGUF_CACHE"])), 2)
-    self.assertFalse(np.array_equal(jax_leaves(changed)[0], jax_leaves(params)[0]))
+    self.assertFalse(np.array_equal(jax_leaves(changed)[0], first[0]))
+
+  def test_stacked_loads_equal_stack_layers(self):
+    # From the file (first load) and from the cache (second), in both dtypes: the layout
+    # Engine(scan_layers=True) runs, leaf for leaf what model.stack_layers makes.
+    from paged_jax import model
+    for dtype in ("float32", "bfloat16"):
+      per_layer, cfg, _ = checkpoint.load_checkpoint(self.path, dtype)
+      want = model.stack_layers(per_layer, cfg)
+      for source in ("file", "cache"):
+        if source == "file":
+          shutil.rmtree(os.environ["PAGED_JAX_GGUF_CACHE"])
+        with self.subTest(dtype=dtype, source=source):
+          got, _, _ = checkpoint.load_checkpoint(self.path, dtype, stacked=True)
+          self.assertTrue(model.is_stacked(got))
+          self.assertEqual(jax.tree.structure(got), jax.tree.structure(want))
+          for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            self.assertEqual((a.dtype, a.shape), (b.dtype, b.shape))
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+          self.assertTrue(all(isinstance(x, jax.Array) for x in jax.tree.leaves(got)))
+
+  def test_a_layer_leaf_not_in_every_layer_is_a_file_of_its_own(self):
+    # _param_files stacks a layer leaf only when every layer has it alike; the rest (here a
+    # made-up leaf of layer 1 alone, and one whose shape differs by layer) round-trip as they are.
+    from paged_jax import model
+    params = testing.random_params(self.cfg, seed=2)
+    params["layers_1_extra"] = {"w": np.arange(3, dtype=np.float32)}
+    for i in range(self.cfg.num_layers):
+      params[f"layers_{i}_odd"] = {"w": np.ones(i + 1, np.float32)}
+    files = self.gguf_file._param_files(params, self.cfg.num_layers)
+    self.assertIn("layers~mlp~up_proj~kernel", files)
+    self.assertIn("layers_1_extra~w", files)
+    self.assertNotIn("layers~odd~w", files)
+    self.assertEqual(files["layers~mlp~up_proj~kernel"].shape[0], self.cfg.num_layers)
+    back = self.gguf_file._params_from_files(files, self.cfg, stacked=False)
+    self.assertEqual(jax.tree.structure(back), jax.tree.structure(params))
+    for a, b in zip(jax_leaves(back), jax_leaves(params)):
+      np.testing.assert_array_equal(a, b)
+    # stack_layers wants every layer alike: without the two made-up leaves, the stacked layout
+    # comes straight from the stacked files.
+    del params["layers_1_extra"]
+    for i in range(self.cfg.num_layers):
+      del params[f"layers_{i}_odd"]
+    files = self.gguf_file._param_files(params, self.cfg.num_layers)
+    stacked = self.gguf_file._params_from_files(files, self.cfg, stacked=True)
+    want = model.stack_layers(params, self.cfg)
+    self.assertEqual(jax.tree.structure(stacked), jax.tree.structure(want))
+    for a, b in zip(jax_leaves(stacked), jax_leaves(want)):
+      np.testing.assert_array_equal(a, b)
 
   def test_off(self):
     os.environ["PAGED_JAX_GGUF_CACHE"] = ""

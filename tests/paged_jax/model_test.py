@@ -2,6 +2,7 @@
 
 from absl.testing import absltest, parameterized
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -156,6 +157,16 @@ class ScannedLayersTest(parameterized.TestCase):
                                   params["layers_4_self_attn"]["q_proj"]["kernel"])
     with self.assertRaisesRegex(ValueError, "stacked already"):
       model.stack_layers(stacked, cfg)
+
+  def test_engine_takes_stacked_params_only_with_scan_layers(self):
+    # load_checkpoint(stacked=True) hands the engine the scan layout: taken as it is (not
+    # stacked twice), and refused by name by an engine told to unroll the layers.
+    cfg = config.tiny_config(num_layers=3)
+    stacked = model.stack_layers(testing.random_params(cfg, seed=1), cfg)
+    engine = Engine(stacked, cfg, cache=CacheConfig(page_size=4, num_pages=8), scan_layers=True)
+    self.assertEqual(jax.tree.structure(engine.params), jax.tree.structure(stacked))
+    with self.assertRaisesRegex(ValueError, "stack_layers' layout: pass scan_layers=True"):
+      Engine(stacked, cfg, cache=CacheConfig(page_size=4, num_pages=8))
 
   @parameterized.parameters("mixed_step", "decode_round")
   def test_logits_and_pool_equal_the_unrolled_decoder(self, program):
