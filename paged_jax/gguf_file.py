@@ -29,8 +29,9 @@ the 49k-token vocabulary included: ~3 s for SmolLM2) or dequantizing anything (~
 params are kept as one .npy file per leaf, each layer leaf stacked over the layers, and read as
 memory maps: on the CPU `jax.device_put` then takes them without a copy, in either layout (per
 layer: a view of one layer; `stacked=True`, `model.stack_layers`' layout: the stack itself), so a
-warm load of SmolLM2 costs milliseconds, not the ~0.6 s of reading an .npz and the ~0.4 s of
-stacking it (results page, "Latency for one user").
+warm load of SmolLM2 takes ~0.1 s with its tokenizer, where reading an .npz took ~0.6 s and
+stacking it ~0.5 s more (results page, "Latency for one user"). A file cut short under a live
+process's map is a SIGBUS at its next read: the cache renames files into place, never rewrites.
 """
 
 from __future__ import annotations
