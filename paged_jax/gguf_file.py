@@ -381,10 +381,11 @@ def _read_converted_meta(entry: str) -> dict | None:
   return meta
 
 
-def _param_files(params, num_layers: int) -> dict[str, np.ndarray]:
-  """The params as the cache stores them: file stem -> host array. A layer leaf that every layer
-  has, with one shape and dtype, is one file stacked over the layers (`layers~mlp~up_proj~kernel`:
-  [num_layers, ...]); any other leaf is a file of its own (its tree path, "/" written "~")."""
+def _param_parts(params, num_layers: int) -> dict[str, list[np.ndarray]]:
+  """The params as the cache stores them: file stem -> its parts. A layer leaf that every layer
+  has, with one shape and dtype, is one file stacked over the layers (`layers~mlp~up_proj~kernel`,
+  its parts the layers' arrays in order); any other leaf is a file of its own (its tree path, "/"
+  written "~"; one part)."""
   import jax
   flat = {"/".join(k.key for k in p): np.asarray(x) for p, x in
           jax.tree_util.tree_flatten_with_path(params)[0]}
@@ -400,11 +401,17 @@ def _param_files(params, num_layers: int) -> dict[str, np.ndarray]:
   for leaf, layers in per_leaf.items():
     xs = [flat[layers[i]] for i in range(num_layers)] if len(layers) == num_layers else None
     if xs and all(x.shape == xs[0].shape and x.dtype == xs[0].dtype for x in xs):
-      files["layers~" + leaf.replace("/", "~")] = np.stack(xs)
+      files["layers~" + leaf.replace("/", "~")] = xs
       for name in layers.values():
         del flat[name]
-  files.update({name.replace("/", "~"): x for name, x in flat.items()})
+  files.update({name.replace("/", "~"): [x] for name, x in flat.items()})
   return files
+
+
+def _param_files(params, num_layers: int) -> dict[str, np.ndarray]:
+  """`_param_parts` as the arrays the files hold (the stacked ones stacked)."""
+  return {stem: np.stack(parts) if stem.startswith("layers~") else parts[0]
+          for stem, parts in _param_parts(params, num_layers).items()}
 
 
 def _nest(flat: dict[str, Any]) -> dict:
@@ -489,9 +496,9 @@ def _save_converted(entry: str, dtype: str, path: str, hf: dict, meta: dict, tok
   """Writes the cache entry (atomically: a temporary folder renamed into place, or one params
   folder renamed into an existing entry). A failure (a full or read-only disk) only logs. Files
   are never rewritten in place: a process may have them mapped."""
-  files = _param_files(params, int(hf["num_hidden_layers"]))
-  if dtype == "bfloat16":
-    files = {k: x.view(np.uint16) if x.dtype != np.uint16 else x for k, x in files.items()}
+  files = _param_parts(params, int(hf["num_hidden_layers"]))
+  if dtype == "bfloat16":   # stored as its bits: NumPy has no bfloat16 of its own
+    files = {k: [x.view(np.uint16) for x in parts] for k, parts in files.items()}
   root = os.path.dirname(entry)
   name = f"params-{dtype}"
   try:
@@ -504,10 +511,21 @@ def _save_converted(entry: str, dtype: str, path: str, hf: dict, meta: dict, tok
       if tok is not None:
         tok.save(os.path.join(tmp, "tokenizer.json"))
       os.makedirs(os.path.join(tmp, name))
-      for stem, x in files.items():
-        np.save(os.path.join(tmp, name, f"{stem}.npy"), x)
+      index = {}
+      for stem, parts in files.items():   # each layer written into its row: no stacked copy
+        shape = parts[0].shape if not stem.startswith("layers~") else (len(parts),) + parts[0].shape
+        out = np.lib.format.open_memmap(os.path.join(tmp, name, f"{stem}.npy"), mode="w+",
+                                        dtype=parts[0].dtype, shape=shape)
+        for i, x in enumerate(parts):
+          if stem.startswith("layers~"):
+            out[i] = x
+          else:
+            out[...] = x
+        out.flush()
+        del out
+        index[stem] = [list(shape), str(parts[0].dtype)]
       with open(os.path.join(tmp, name, "index.json"), "w") as f:
-        json.dump({stem: [list(x.shape), str(x.dtype)] for stem, x in files.items()}, f)
+        json.dump(index, f)
       if not os.path.isdir(entry):
         os.replace(tmp, entry)
       else:   # another dtype of the same file, or a damaged one replaced: its params only
