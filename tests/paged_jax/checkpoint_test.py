@@ -213,6 +213,15 @@ class CheckpointErrorsTest(absltest.TestCase):
     with self.assertRaisesRegex(checkpoint.CheckpointError, "cannot read the tokenizer"):
       checkpoint.load_checkpoint(self.dir)
 
+  def test_stacked_load_of_a_directory_is_stack_layers(self):
+    # serve --scan_layers loads stacked (load_checkpoint(stacked=True)); a Hugging Face
+    # directory is stacked after its load, leaf for leaf what the engine used to stack.
+    from paged_jax import embedded, model
+    params, cfg, _ = checkpoint.load_checkpoint(embedded.EMBEDDED_MODEL_DIR)
+    stacked, _, _ = checkpoint.load_checkpoint(embedded.EMBEDDED_MODEL_DIR, stacked=True)
+    self.assertTrue(model.is_stacked(stacked))
+    chex.assert_trees_all_equal(stacked, model.stack_layers(params, cfg))
+
   def test_eos_ids_from_generation_config_then_config(self):
     self.assertEqual(checkpoint.load_eos_token_ids(self.dir), ())
     with open(os.path.join(self.dir, "config.json")) as f:
