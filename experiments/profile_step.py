@@ -51,12 +51,24 @@ class ProfileConfig:
   repeats: int = 3
 
 
+UNNAMED_DOTS = "matmuls (no op_name)"
+
+
 def _op_parts(hlo_text: str) -> dict[str, str]:
-  """HLO instruction name -> model part (from its metadata op_name)."""
+  """HLO instruction name -> model part (from its metadata op_name). A dot XLA rewrote without
+  metadata (SmolLM2's one-row decode: all 211 of a step's dots, 2026-12-05) is UNNAMED_DOTS, so
+  its time is counted, if not placed."""
   parts = {}
-  for m in re.finditer(r"%([\w.\-]+) = [^\n]*?metadata=\{op_name=\"([^\"]*)\"", hlo_text):
-    name, op_name = m.group(1), m.group(2)
-    parts[name] = next((p for p, keys in PARTS if any(k in op_name for k in keys)), "other")
+  for line in hlo_text.splitlines():
+    m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = ", line)
+    if not m:
+      continue
+    meta = re.search(r'metadata=\{[^}]*?op_name="([^"]*)"', line)
+    if meta:
+      parts[m.group(1)] = next((p for p, keys in PARTS if any(k in meta.group(1) for k in keys)),
+                               "other")
+    elif re.search(r"\]\S* dot\(", line):
+      parts[m.group(1)] = UNNAMED_DOTS
   return parts
 
 

@@ -591,6 +591,17 @@ class ExperimentsTest(absltest.TestCase):
       for part in ("attention", "mlp", "q/k/v/o projections", "kv write", "sampling"):
         self.assertGreater(r[kind].get(part, 0), 0, (kind, part, r[kind]))
 
+  def test_profile_step_maps_ops_with_and_without_metadata(self):
+    hlo = "\n".join([
+        '  %dot.3 = f32[1,192]{1,0} dot(%a, %b), lhs_contracting_dims={0}, '
+        'rhs_contracting_dims={0}',
+        '  %fusion.1 = f32[4]{0} fusion(%c), kind=kLoop, metadata={op_type="mul" '
+        'op_name="jit(f)/layers_0_mlp/up_proj/dot_general"}',
+        '  ROOT %dot.4 = f32[2,8]{1,0} dot(%d, %e), metadata={op_name="jit(f)/lm_head/dot"}',
+        '  %add.2 = f32[4]{0} add(%f, %g)'])
+    self.assertEqual(profile_step._op_parts(hlo), {
+        "dot.3": profile_step.UNNAMED_DOTS, "fusion.1": "mlp", "dot.4": "lm head"})
+
   def test_fragmentation_reproduces_the_seeds_example(self):
     import tempfile
     out = tempfile.mkdtemp()
