@@ -12,7 +12,7 @@ For each shape a step multiplies (prefill's MLP and projections over --tokens ro
   bf16_ours     `paged_jax.matmul.dot_general` (bf16 operands, f32 accumulation and result, cast
                 back; a single row padded to two);
   mkl_f32 / mkl_bf16       `paged_jax.matmul.mkl_matmul` (Intel MKL through XLA's FFI, f32
-                result), when the `mkl` extra is installed (--backends);
+                result), when the `mkl` extra is installed (--nomkl: not timed);
   torch_f32 / torch_bf16   torch.matmul at the same threads, when torch is installed (oneDNN).
 
 and prints GFLOP/s and the weight-read rate (GB/s of the [k, n] operand), with the machine's
@@ -96,15 +96,6 @@ def _torch_routes(threads: int):
   return {"torch_f32": route(torch.float32), "torch_bf16": route(torch.bfloat16)}
 
 
-def cpu_model() -> str:
-  """The CPU's model name from /proc/cpuinfo ("" where it has none)."""
-  try:
-    with open("/proc/cpuinfo") as f:
-      return next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), "")
-  except OSError:
-    return ""
-
-
 def run(cfg: FloorConfig) -> dict:
   dot = lambda x, w: jnp.dot(x, w)                                      # noqa: E731
   ours = lambda x, w: matmul.dot_general(x, w, (((1,), (0,)), ((), ())))  # noqa: E731
@@ -126,8 +117,8 @@ def run(cfg: FloorConfig) -> dict:
     rows.append(row)
   n = min(2048, 8 * cfg.hidden)
   square = jnp.ones((n, n), jnp.float32)
-  return {"jax": jax.__version__, "cpu_vendor": matmul.cpu_vendor(), "cpu_model": cpu_model(),
-          "config": dataclasses.asdict(cfg), "rows": rows,
+  return {"jax": jax.__version__, "cpu_vendor": matmul.cpu_vendor(),
+          "cpu_model": matmul.cpu_info("model name"), "config": dataclasses.asdict(cfg), "rows": rows,
           "read_bandwidth": read_bandwidth(mib=cfg.read_mib),
           "square_f32_flops": 2 * n ** 3 / _time(jax.jit(dot), (square, square), cfg.rounds)}
 

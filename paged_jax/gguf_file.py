@@ -416,14 +416,8 @@ def _param_files(params, num_layers: int) -> dict[str, np.ndarray]:
 
 def _nest(flat: dict[str, Any]) -> dict:
   """{"a/b": x} -> {"a": {"b": x}}."""
-  out: dict = {}
-  for name, x in flat.items():
-    *outer, leaf = name.split("/")
-    node = out
-    for k in outer:
-      node = node.setdefault(k, {})
-    node[leaf] = x
-  return out
+  from flax import traverse_util
+  return traverse_util.unflatten_dict(flat, sep="/")
 
 
 def _params_from_files(arrays: dict[str, np.ndarray], cfg, stacked: bool) -> dict:

@@ -108,17 +108,22 @@ def mkl_unavailable_reason(device: jax.Device | None = None) -> str | None:
   return _load_mkl()
 
 
-def cpu_vendor() -> str:
-  """The CPU's maker as the kernel reports it (`GenuineIntel`, `AuthenticAMD`, ...), or "" where
-  /proc/cpuinfo has no vendor_id line (not Linux, or not x86)."""
+def cpu_info(field: str) -> str:
+  """A field of the first CPU in /proc/cpuinfo ("vendor_id", "model name", ...), or "" where
+  there is none (not Linux, or not x86)."""
   try:
     with open("/proc/cpuinfo") as f:
       for line in f:
-        if line.startswith("vendor_id"):
+        if line.startswith(field):
           return line.split(":", 1)[1].strip()
   except OSError:
     pass
   return ""
+
+
+def cpu_vendor() -> str:
+  """The CPU's maker as the kernel reports it (`GenuineIntel`, `AuthenticAMD`, ...), or ""."""
+  return cpu_info("vendor_id")
 
 
 def mkl_slow_reason(vendor: str | None = None) -> str | None:
