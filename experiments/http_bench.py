@@ -23,10 +23,11 @@ written out once as one, from the engine's dequantized f32 weights, as serve_ben
 same scheduler knobs (--max_num_seqs, --max_num_batched_tokens, --page_size, --kv_cache_gib).
 Before the timed rates each server gets --warmup_requests of another draw at once and, with
 --warmup_sweep, every rate once on other draws (compiling, allocating), untimed. Our rows count
-the step programs first run during the rate (`new_programs`: each compiled, or loaded from the
-program store, while clients wait). For our server the run then reads /metrics after each rate and reports
-what it still holds (KV pages in use, swap copies, open and queued requests, asyncio tasks above
-the idle server's), which must all be 0. Loopback only; bounded by --num_requests and --timeout.
+the step programs first run during the rate (`new_programs`) and those compiled, or loaded from
+the program store, while clients waited (`programs_on_demand`: not by the server's --warmup).
+For our server the run then reads /metrics after each rate and reports what it still holds (KV
+pages in use, swap copies, open and queued requests, asyncio tasks above the idle server's),
+which must all be 0. Loopback only; bounded by --num_requests and --timeout.
 Results: stdout and experiments/results/http_bench.jsonl (one row per server and rate; each
 with the paper's normalized latency, end to end over output tokens, averaged), and with more
 than one rate experiments/results/http_bench.png (TTFT, TPOT and tokens/s against the rate).
@@ -185,7 +186,8 @@ def server_state(base: str) -> dict:
   requests, and the asyncio tasks in its event loop."""
   import httpx
   names = ("kv_pages_in_use", "num_swap_copies", "num_open_requests", "num_requests_running",
-           "num_requests_waiting", "server_asyncio_tasks", "num_programs")
+           "num_requests_waiting", "server_asyncio_tasks", "num_programs",
+           "num_programs_on_demand")
   state = dict.fromkeys(names, 0.0)
   for line in httpx.get(base + "/metrics").text.splitlines():
     name = line.split("{")[0].removeprefix("paged_jax:")
@@ -199,7 +201,7 @@ def leftovers(base: str, idle_tasks: float) -> dict:
   leaked (the tasks as a count above those of the idle server, `idle_tasks`)."""
   state = server_state(base)
   state["tasks_over_idle"] = state.pop("server_asyncio_tasks") - idle_tasks
-  del state["num_programs"]
+  del state["num_programs"], state["num_programs_on_demand"]
   return state
 
 
@@ -299,7 +301,8 @@ def _summary(row: dict) -> str:
           f"completed, {row['disconnected']} left, {row['errors']} errors; TTFT p50/p90 "
           f"{ms(row['ttft_s'])} ms, TPOT {ms(row['tpot_s'])} ms, e2e {ms(row['e2e_s'])} ms, "
           f"{row['output_tokens_per_s']:.1f} tok/s"
-          + (f"; {row['new_programs']:g} new programs" if "new_programs" in row else "")
+          + (f"; {row['new_programs']:g} new programs, {row['programs_on_demand']:g} of them "
+             f"compiled or loaded while clients waited" if "new_programs" in row else "")
           + (f"; server holds {row['server_holds']}" if "server_holds" in row else ""))
 
 
@@ -320,15 +323,19 @@ def bench_one(cfg: HttpBenchConfig, url: str, base: str | None, name: str, vocab
       row = asyncio.run(at_rate(url, model, requests_for(cfg, cfg.seed + 2000 + i, vocab), rate,
                                 cfg.seed + 2000 + i, cfg.timeout))
       progress(f"{name} warm-up sweep: {_summary(dict(row, server=name))}")
-  programs = lambda: server_state(base)["num_programs"] if base else None
+  def programs():
+    state = server_state(base)
+    return state["num_programs"], state["num_programs_on_demand"]
   rows = []
   for i, rate in enumerate(cfg.rates):
     reqs = requests_for(cfg, cfg.seed + i, vocab)
-    before = programs()
+    before = programs() if base else None
     row = asyncio.run(at_rate(url, model, reqs, rate, cfg.seed + i, cfg.timeout,
                               cfg.keep_texts))
-    if base is not None:   # programs first run during this rate: each compiled (or loaded) then
-      row["new_programs"] = programs() - before
+    if base is not None:   # programs first run during this rate, and those clients waited for
+      after = programs()
+      row["new_programs"] = after[0] - before[0]
+      row["programs_on_demand"] = after[1] - before[1]
     if base is not None:   # the server's next step frees what the last disconnects held
       deadline = time.monotonic() + 30
       while any(leftovers(base, idle_tasks).values()) and time.monotonic() < deadline:

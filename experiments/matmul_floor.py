@@ -13,10 +13,15 @@ For each shape a step multiplies (prefill's MLP and projections over --tokens ro
                 back; a single row padded to two);
   mkl_f32 / mkl_bf16       `paged_jax.matmul.mkl_matmul` (Intel MKL through XLA's FFI, f32
                 result), when the `mkl` extra is installed (--nomkl: not timed);
+  numpy_f32     np.matmul (numpy's bundled OpenBLAS, on its own threads: all cores);
   torch_f32 / torch_bf16   torch.matmul at the same threads, when torch is installed (oneDNN).
 
 and prints GFLOP/s and the weight-read rate (GB/s of the [k, n] operand), with the machine's
-read bandwidth (an XLA sum over 512 MiB) and the rate of an n x n x n f32 matmul beside them.
+read bandwidth (an XLA sum over 512 MiB; with torch also torch's sum on --threads threads, which
+XLA's single-threaded reduce does not reach) and the rate of an n x n x n f32 matmul beside them.
+A batch-1 product is timed over enough distinct weights to fill --cold_mib (one call reads each
+once), so a weight that fits the L3 cache is read from memory, as a decode step reads it: its
+GB/s is the one-user floor's rate, not the cache's.
 Appends one JSONL record with the JAX version and the CPU's maker and model, so runs under
 jaxlib 0.10 / 0.11 / 0.12, and on Intel and AMD machines, compare (MKL's rate depends on the
 maker: `paged_jax.matmul.mkl_slow_reason`).
@@ -47,6 +52,7 @@ class FloorConfig:
   threads: int = 2
   mkl: bool = True           # the mkl_* routes, where MKL can run
   read_mib: int = 512        # the read-bandwidth probe's array
+  cold_mib: float = 256      # batch-1 shapes: distinct weights of this many MiB per timed call
 
 
 def shapes(cfg: FloorConfig) -> list[tuple[str, int, int, int]]:
@@ -57,6 +63,18 @@ def shapes(cfg: FloorConfig) -> list[tuple[str, int, int, int]]:
           ("decode gate/up", cfg.rows, h, i), ("decode down", cfg.rows, i, h),
           ("decode q/o", cfg.rows, h, h), ("decode lm head", cfg.rows, h, cfg.vocab),
           ("batch-1 gate/up", 1, h, i), ("batch-1 lm head", 1, h, cfg.vocab)]
+
+
+MAX_COPIES = 256   # bounds the unrolled program of a tiny shape's batch-1 call
+
+
+def copies(cfg: FloorConfig, m: int, k: int, n: int) -> int:
+  """Distinct [k, n] f32 weights a timed call of shape (m, k, n) multiplies: enough to fill
+  cfg.cold_mib at one row (out of the cache, as a decode step's 30 layers are; at most
+  MAX_COPIES), else one."""
+  if m != 1:
+    return 1
+  return min(MAX_COPIES, max(1, -(-int(cfg.cold_mib * (1 << 20)) // (4 * k * n))))
 
 
 def _time(fn, args, rounds):
@@ -75,6 +93,36 @@ def read_bandwidth(rounds: int = 5, mib: int = 512) -> float:
   return x.nbytes / _time(jax.jit(jnp.sum), (x,), rounds)
 
 
+def torch_read_bandwidth(threads: int, rounds: int = 5, mib: int = 512) -> float | None:
+  """Bytes per second torch's sum reads from an f32 array of `mib` MiB on `threads` threads
+  (None without torch): the read floor when every core streams."""
+  try:
+    import torch
+  except ImportError:
+    return None
+  torch.set_num_threads(threads)
+  x = torch.ones(mib << 18, dtype=torch.float32)
+  x.sum()
+  best = float("inf")
+  for _ in range(rounds):
+    t = time.perf_counter()
+    x.sum()
+    best = min(best, time.perf_counter() - t)
+  return x.numel() * 4 / best
+
+
+def _numpy_routes():
+  def run(x, ws, rounds):
+    [x @ w for w in ws]
+    best = float("inf")
+    for _ in range(rounds):
+      t = time.perf_counter()
+      [x @ w for w in ws]
+      best = min(best, time.perf_counter() - t)
+    return best
+  return {"numpy_f32": run}
+
+
 def _torch_routes(threads: int):
   try:
     import torch
@@ -83,13 +131,13 @@ def _torch_routes(threads: int):
   torch.set_num_threads(threads)
 
   def route(dtype):
-    def run(m, k, n, rounds):
-      a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-      torch.matmul(a, b)
+    def run(x, ws, rounds):
+      a, bs = torch.from_numpy(x).to(dtype), [torch.from_numpy(w).to(dtype) for w in ws]
+      [torch.matmul(a, b) for b in bs]
       best = float("inf")
       for _ in range(rounds):
         t = time.perf_counter()
-        torch.matmul(a, b)
+        [torch.matmul(a, b) for b in bs]
         best = min(best, time.perf_counter() - t)
       return best
     return run
@@ -99,34 +147,43 @@ def _torch_routes(threads: int):
 def run(cfg: FloorConfig) -> dict:
   dot = lambda x, w: jnp.dot(x, w)                                      # noqa: E731
   ours = lambda x, w: matmul.dot_general(x, w, (((1,), (0,)), ((), ())))  # noqa: E731
-  xla = {"f32": (jax.jit(dot), jnp.float32), "bf16_plain": (jax.jit(dot), jnp.bfloat16),
-         "bf16_ours": (jax.jit(ours), jnp.bfloat16)}
+  each = lambda f: jax.jit(lambda x, ws: [f(x, w) for w in ws])      # noqa: E731
+  xla = {"f32": (each(dot), jnp.float32), "bf16_plain": (each(dot), jnp.bfloat16),
+         "bf16_ours": (each(ours), jnp.bfloat16)}
   if cfg.mkl and matmul.mkl_unavailable_reason() is None:
-    mkl = jax.jit(matmul.mkl_matmul)
+    mkl = each(matmul.mkl_matmul)
     xla.update({"mkl_f32": (mkl, jnp.float32), "mkl_bf16": (mkl, jnp.bfloat16)})
-  peers = _torch_routes(cfg.threads)
+  peers = {**_numpy_routes(), **_torch_routes(cfg.threads)}
   rows = []
   rng = np.random.default_rng(0)
   for name, m, k, n in shapes(cfg):
-    x, w = rng.normal(size=(m, k)).astype(np.float32), rng.normal(size=(k, n)).astype(np.float32)
-    row = {"shape": name, "m": m, "k": k, "n": n}
+    c = copies(cfg, m, k, n)
+    x = rng.normal(size=(m, k)).astype(np.float32)
+    ws = [rng.normal(size=(k, n)).astype(np.float32) for _ in range(c)]
+    row = {"shape": name, "m": m, "k": k, "n": n, "copies": c}
     for route, (fn, dt) in xla.items():
-      row[route] = _time(fn, (jnp.asarray(x, dt), jnp.asarray(w, dt)), cfg.rounds)
+      args = (jnp.asarray(x, dt), [jnp.asarray(w, dt) for w in ws])
+      row[route] = _time(fn, args, cfg.rounds) / c
+      del args
     for route, fn in peers.items():
-      row[route] = fn(m, k, n, cfg.rounds)
+      row[route] = fn(x, ws, cfg.rounds) / c
     rows.append(row)
   n = min(2048, 8 * cfg.hidden)
   square = jnp.ones((n, n), jnp.float32)
   return {"jax": jax.__version__, "cpu_vendor": matmul.cpu_vendor(),
           "cpu_model": matmul.cpu_info("model name"), "config": dataclasses.asdict(cfg), "rows": rows,
           "read_bandwidth": read_bandwidth(mib=cfg.read_mib),
+          "torch_read_bandwidth": torch_read_bandwidth(cfg.threads, mib=cfg.read_mib),
           "square_f32_flops": 2 * n ** 3 / _time(jax.jit(dot), (square, square), cfg.rounds)}
 
 
 def format_result(r: dict) -> str:
-  routes = [k for k in r["rows"][0] if k not in ("shape", "m", "k", "n")]
+  routes = [k for k in r["rows"][0] if k not in ("shape", "m", "k", "n", "copies")]
+  torch_read = r.get("torch_read_bandwidth")
   lines = [f"jax {r['jax']} on {r.get('cpu_model') or r.get('cpu_vendor') or 'an unknown CPU'}"
-           f": read bandwidth {r['read_bandwidth'] / 1e9:.1f} GB/s, "
+           f": read bandwidth {r['read_bandwidth'] / 1e9:.1f} GB/s (XLA)"
+           + (f", {torch_read / 1e9:.1f} GB/s (torch, {r['config']['threads']} threads)"
+              if torch_read else "") + ", "
            f"f32 {min(2048, 8 * r['config']['hidden'])}^3 matmul "
            f"{r['square_f32_flops'] / 1e9:.0f} GFLOP/s",
            f"{'shape':18s} {'m x k x n':>18s}  " + "  ".join(f"{k:>22s}" for k in routes)]
@@ -137,7 +194,8 @@ def format_result(r: dict) -> str:
       t = row[route]
       item = 4 if route.endswith("f32") else 2
       cells.append(f"{t * 1e3:7.3f}ms {2 * m * k * n / t / 1e9:5.0f}GF {k * n * item / t / 1e9:4.1f}GB/s")
-    lines.append(f"{row['shape']:18s} {f'{m}x{k}x{n}':>18s}  " + "  ".join(f"{c:>22s}" for c in cells))
+    lines.append(f"{row['shape']:18s} {f'{m}x{k}x{n}':>18s}  " + "  ".join(f"{c:>22s}" for c in cells)
+                 + (f"  (over {row['copies']} weights)" if row.get("copies", 1) > 1 else ""))
   return "\n".join(lines)
 
 
@@ -146,7 +204,8 @@ def main(argv):
   from absl import flags
   f = flags.FLAGS
   r = run(FloorConfig(hidden=f.hidden, intermediate=f.intermediate, kv=f.kv, vocab=f.vocab,
-                      tokens=f.tokens, rows=f.rows, rounds=f.rounds, mkl=f.mkl))
+                      tokens=f.tokens, rows=f.rows, rounds=f.rounds, mkl=f.mkl,
+                      cold_mib=f.cold_mib))
   print(format_result(r))
   if f.out:
     output.append_jsonl(r, f.out)
@@ -162,5 +221,7 @@ if __name__ == "__main__":
   flags.DEFINE_integer("rows", FloorConfig.rows, "Decode rows.")
   flags.DEFINE_integer("rounds", FloorConfig.rounds, "Timed rounds (best is reported).")
   flags.DEFINE_bool("mkl", FloorConfig.mkl, "Time the mkl_* routes where MKL can run.")
+  flags.DEFINE_float("cold_mib", FloorConfig.cold_mib, "Batch-1 shapes: MiB of distinct "
+                       "weights per timed call (read from memory, not the cache).")
   flags.DEFINE_string("out", "experiments/results/matmul_floor.jsonl", "JSONL to append to.")
   app.run(main)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import gc
 import itertools
 import os
 import time
@@ -42,6 +43,7 @@ from paged_jax.host.sequence import (CompletionOutput, FinishReason, RequestOutp
 from paged_jax.sampling import SamplingParams
 from paged_jax.state import NULL_PAGE, AttentionMetadata, KVPool
 
+WARMUP_SCOPES = ("one_user", "one_prompt", "all")   # `Engine.warmup_programs`, narrowest first
 DECODE_CONTEXT = 5   # prompt tokens a completion's text is decoded after (vLLM's offset: 5)
 
 
@@ -86,6 +88,8 @@ class EngineStats:
   failed_steps: int = 0         # steps that raised (the requests in them were requeued)
   failed_requests: int = 0      # requests finished with reason "error"
   scrubbed_pages: int = 0
+  evicted_programs: int = 0     # compiled programs dropped to stay under the map limit
+  programs_on_demand: int = 0   # step programs compiled or loaded while a step waited for them
   validate_s: float = 0.0       # host time in `batching.validate_step` (part of host_s)
   prefill_s: float = 0.0
   decode_s: float = 0.0
@@ -241,6 +245,8 @@ class Engine(EngineLoop):
     self.programs: collections.Counter[batching.ProgramKey] = collections.Counter()  # -> calls
     self._compiled: dict[batching.ProgramKey, object] = {}   # warmed up, or loaded
     self._warmed: set[batching.ProgramKey] = set()           # what `warmup` provided
+    self._jit_held: set[batching.ProgramKey] = set()   # compiled by jit's own cache (no store)
+    self._new_programs = False   # a program was compiled since the last `_bound_maps`
     self._program_origin = collections.Counter()             # "compiled" / "loaded" programs
     self._store = program_store_lib.ProgramStore(program_store) if program_store else None
     self._identity = None   # program_store.engine_identity, computed on first use
@@ -529,14 +535,23 @@ class Engine(EngineLoop):
     self.programs[key] += 1
     fn, inputs, kw = self._call(a, key)
     args = (self.params, self.pool) + inputs
-    compiled = self._compiled.get(key)   # warmed up: no trace, no cache lookup
-    if compiled is None and self._store is not None:   # load it, or compile and keep it
+    compiled = self._compiled.pop(key, None)   # warmed up: no trace, no cache lookup
+    if compiled is not None:
+      self._compiled[key] = compiled   # the most recently used last (`_bound_maps`)
+    elif self._store is not None:   # load it, or compile and keep it
       compiled = self._program(key, fn, args, kw)[0]
+      self.stats.programs_on_demand += 1
+    elif key not in self._jit_held:   # jit compiles it below (again, after `_bound_maps`)
+      self._jit_held.add(key)
+      self._new_programs = True
+      self.stats.programs_on_demand += 1
     t = time.perf_counter()
     with self._mesh_context():
       sampled, self.pool = fn(*args, **kw) if compiled is None else compiled(*args)
     out = jax.device_get(sampled)   # the one sync of the step
     device_s = time.perf_counter() - t
+    if self._new_programs:
+      self._bound_maps(keep=key)
     host = {f.name: np.asarray(getattr(out, f.name)) for f in dataclasses.fields(out)}
     if plan.num_steps == 1:   # [S] -> [1, S]: one layout for both kinds of step
       host = {k: v[None] for k, v in host.items()}
@@ -565,14 +580,19 @@ class Engine(EngineLoop):
                                   self.fixed_width)
 
   def warmup_programs(self, scope: str = "one_user") -> list[batching.ProgramKey]:
-    """The programs `warmup(scope)` compiles. "one_user": everything one user's requests run
-    (n=1, no beams or logprobs: `reachable_programs` at max_num_seqs=1) and every decode
-    program for any number of rows (rounds and one-step decodes); "all": every program the
-    limits can hit (`reachable_programs`; thousands at the default limits, from the mixed
-    steps of several users)."""
-    if scope not in ("one_user", "all"):
-      raise ValueError(f"scope={scope!r} is not 'one_user' or 'all'")
+    """The programs `warmup(scope)` compiles (n=1, no beams or logprobs). "one_user":
+    everything one user's requests run (`reachable_programs` at max_num_seqs=1) and every
+    decode program for any number of rows (rounds and one-step decodes); "one_prompt": those,
+    and every step that prefills one prompt's chunk beside any number of decode rows (a server
+    under a light load: requests arrive one at a time and join the running ones;
+    `reachable_programs(max_prompts=1)`); "all": every program the limits can hit
+    (`reachable_programs`; thousands at the default limits, from the mixed steps of several
+    prompts at once)."""
+    if scope not in WARMUP_SCOPES:
+      raise ValueError(f"scope={scope!r} is not one of {WARMUP_SCOPES}")
     limits = self.program_limits
+    if scope == "one_prompt":
+      return batching.reachable_programs(limits, max_prompts=1)
     every = batching.reachable_programs(limits)
     if scope == "all":
       return every
@@ -596,6 +616,7 @@ class Engine(EngineLoop):
         fn, inputs, kw = self._call(batching.placeholder_arrays(key), key)
         loaded += self._program(key, fn, (self.params, self.pool) + inputs, kw)[1]
         self._warmed.add(key)
+        self._bound_maps(keep=key)
     return {"programs": len(keys), "compiled": len(todo) - loaded, "loaded": loaded,
             "seconds": time.perf_counter() - t0}
 
@@ -623,6 +644,37 @@ class Engine(EngineLoop):
         logging.info("program store: %s came from JAX's compilation cache; not stored", key)
     self._compiled[key] = compiled
     return compiled, False
+
+  def _bound_maps(self, keep: batching.ProgramKey | None = None) -> int:
+    """Keeps this process under its memory-map limit (`program_store.map_limit`; every compiled
+    kernel holds its own maps, and past the limit the next compile crashes the process): above
+    MAPS_HIGH of it, drops the least recently used half of the programs this engine holds
+    (never `keep`, the one just run) and JAX's own caches of compiled programs
+    (`jax.clear_caches`: jit's programs go too), until below MAPS_LOW. A dropped program is
+    loaded from the program store, or compiled again, when a step meets it. Returns how many
+    were dropped."""
+    self._new_programs = False
+    limit, held = program_store_lib.map_limit(), program_store_lib.mapped_regions()
+    if limit is None or held is None or held <= program_store_lib.MAPS_HIGH * limit:
+      return 0
+    dropped, before = 0, held
+    while held > program_store_lib.MAPS_LOW * limit:
+      old = [k for k in self._compiled if k != keep]
+      for k in old[:max(1, len(old) // 2)]:
+        del self._compiled[k]
+        dropped += 1
+      self._jit_held.clear()
+      jax.clear_caches()
+      gc.collect()
+      held = program_store_lib.mapped_regions()
+      if not old:
+        break
+    self.stats.evicted_programs += dropped
+    logging.warning("this process held %d memory maps of the %d it may (vm.max_map_count): "
+                    "dropped %d compiled programs and JAX's caches, now %d maps; a dropped "
+                    "program loads from the program store or compiles again when met",
+                    before, limit, dropped, held)
+    return dropped
 
   def _mesh_context(self):
     """The ambient mesh the model step reads (`sharding.over_kv_heads`); nothing without one."""
@@ -733,8 +785,8 @@ class Engine(EngineLoop):
     """What a server reports after every step, cheap to read (no walk over the pool): requests
     waiting / running / swapped out, pages referenced by a sequence, cached-idle and usable,
     requests whose pages are held in host memory (swap copies), the prefix cache's queried
-    and hit prompt tokens, and the distinct step programs run so far (each compiled, or loaded
-    from the program store, the first time)."""
+    and hit prompt tokens, the distinct step programs run so far, and how many programs a
+    step had to wait for (compiled, or loaded from the program store, not by `warmup`)."""
     s, bm = self.scheduler, self.bm
     idle = bm.num_cached_idle_pages
     return {"waiting": len(s.waiting), "running": len(s.running), "swapped": len(s.swapped),
@@ -743,7 +795,7 @@ class Engine(EngineLoop):
             "swap_copies": len(self._swap),
             "prefix_queries_tokens": bm.prefix_queries_tokens,
             "prefix_hits_tokens": bm.prefix_hits_tokens, "preemptions": self.stats.preemptions,
-            "programs": len(self.programs)}
+            "programs": len(self.programs), "programs_on_demand": self.stats.programs_on_demand}
 
 
 def _token_ids(ids: Iterable[int], vocab_size: int, what: str) -> list[int]:

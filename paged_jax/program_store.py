@@ -36,6 +36,34 @@ _FORMAT = 1   # in every file name: bump when what a stored program assumes chan
 _hits = [0]
 
 
+# Every compiled XLA:CPU kernel is mapped on its own (code, read-only data and writable data:
+# three memory maps), so a process holds ~275-470 maps per SmolLM2 step program with scanned
+# layers and ~710 unrolled (jax 0.10.2; `/proc/self/maps`, 2026-12-05), and Linux allows
+# vm.max_map_count of them (65,530 by default). Past it LLVM fails ("Cannot allocate memory")
+# and the process crashes: a server warming 174 programs died at ~140. The engine drops
+# programs before that (`Engine._bound_maps`).
+MAPS_HIGH = 0.75   # of the limit: drop least recently used programs above this
+MAPS_LOW = 0.5     # ... until the process is below this (or nothing is left to drop)
+
+
+def mapped_regions() -> int | None:
+  """Memory maps this process holds (None where /proc/self/maps is not readable)."""
+  try:
+    with open("/proc/self/maps", "rb") as f:
+      return sum(1 for _ in f)
+  except OSError:
+    return None
+
+
+def map_limit() -> int | None:
+  """The most memory maps a process may hold (vm.max_map_count; None where unknown)."""
+  try:
+    with open("/proc/sys/vm/max_map_count") as f:
+      return int(f.read())
+  except (OSError, ValueError):
+    return None
+
+
 def _on_event(event, **_):
   if event == "/jax/compilation_cache/cache_hits":
     _hits[0] += 1

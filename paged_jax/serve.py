@@ -37,12 +37,12 @@ from paged_jax import chat as chat_lib
 from paged_jax import (attention, checkpoint, data_parallel, embedded, matmul, sharding,
                        workloads)
 from paged_jax.config import DEFAULT_COMPILATION_CACHE, CacheConfig, enable_compilation_cache
-from paged_jax.engine import Engine
+from paged_jax.engine import WARMUP_SCOPES, Engine
 from paged_jax.program_store import DEFAULT_PROGRAM_STORE
 from paged_jax.host.scheduler import SchedulerConfig
 from paged_jax.sampling import SamplingParams
 
-WARMUPS = ("off", "one_user", "all", "workload")
+WARMUPS = ("off",) + WARMUP_SCOPES + ("workload",)
 _SAMPLING_KEYS = ("max_tokens", "temperature", "top_k", "top_p", "n", "beam_width", "seed",
                   "ignore_eos", "logprobs", "length_penalty", "stop_token_ids")
 
@@ -310,6 +310,7 @@ def summarize(engine: Engine, requests: list[_Request], outs, seconds: float) ->
       "scrubbed_pages": m["scrubbed_pages"],
       "programs": m["programs"], "programs_not_warmed": m["programs_not_warmed"],
       "programs_compiled": m["programs_compiled"], "programs_loaded": m["programs_loaded"],
+      "programs_on_demand": m["programs_on_demand"], "evicted_programs": m["evicted_programs"],
   }
 
 
@@ -331,7 +332,7 @@ def run(cfg: ServeConfig, model=None) -> dict:
     serve(make_engine(cfg, params, mcfg, tokenizer, eos), requests)
   engine = make_engine(cfg, params, mcfg, tokenizer, eos)
   warm = None
-  if cfg.warmup in ("one_user", "all"):   # the programs the limits can hit, before any request
+  if cfg.warmup in WARMUP_SCOPES:   # the programs the limits can hit, before any request
     warm = engine.warmup(cfg.warmup, progress=cfg.progress)
   outs, seconds = serve(engine, requests, progress=cfg.progress and not cfg.stream,
                         on_output=_streamer(len(requests)) if cfg.stream else None)
@@ -360,7 +361,10 @@ def report(r: dict) -> str:
          f"{r['warmup']['programs']} in {r['warmup']['seconds']:.1f} s, "
          f"{r['programs_not_warmed']} more on demand" if r["warmup"] else "")
       + (f" ({r['programs_loaded']} loaded from the program store in all)"
-         if r["programs_loaded"] else ""),
+         if r["programs_loaded"] else "")
+      + (f"; {r['evicted_programs']} dropped at the memory-map limit (Engine._bound_maps), "
+         f"{r['programs_on_demand']} compiled or loaded while a step waited"
+         if r["evicted_programs"] else ""),
       f"  throughput: {r['input_tokens_per_s']:.0f} input tok/s, "
       f"{r['output_tokens_per_s']:.0f} output tok/s "
       f"({r['input_tokens']} in, {r['output_tokens']} out)",
@@ -452,7 +456,9 @@ def define_engine_flags():
   flags.DEFINE_integer("seed", 0, "Workload and request seeds.")
   flags.DEFINE_enum("warmup", "off", list(WARMUPS),
                     "Compile before serving: one_user (every program one user's requests run, "
-                    "and every decode program), all (every program the limits can hit; "
+                    "and every decode program), one_prompt (those, and every step that "
+                    "prefills one prompt beside any decode rows: a server under a light "
+                    "load), all (every program the limits can hit; "
                     "thousands at the default limits), workload (run the workload once on a "
                     "throwaway engine: exactly its programs, for benchmarks); off.")
   flags.DEFINE_bool("validate_tables", False, "Check every step's block tables and write slots "

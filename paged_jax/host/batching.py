@@ -234,18 +234,22 @@ def _classes(bucket, upper: int) -> dict[int, tuple[int, int]]:
   return out
 
 
-def reachable_programs(limits: ProgramLimits) -> list[ProgramKey]:
+def reachable_programs(limits: ProgramLimits, max_prompts: int | None = None) -> list[ProgramKey]:
   """Every program a run under `limits` can compile with n=1, no beams and no logprobs (those
   add sample-row and top-N variants). A superset: combinations of buckets whose smallest members
   fit the limits together. max_num_seqs=1 gives one user's programs exactly: decode rounds of
-  one row, a one-row decode step, and a prefill step per token bucket of one prompt's chunk."""
+  one row, a one-row decode step, and a prefill step per token bucket of one prompt's chunk.
+  max_prompts: only steps that prefill at most this many prompts' chunks (besides any number of
+  decode rows; every decode program is kept). 1 is what a server under a light load meets:
+  requests arrive one at a time and join the running ones."""
   S, B = limits.max_num_seqs, limits.max_num_batched_tokens
+  prompts_cap = min(S, B) if max_prompts is None else min(S, B, max_prompts)
   longest_chunk = min(B, limits.max_position - 1)
   max_pages = -(-limits.max_position // limits.page_size)
   widths = sorted({table_width(n, max_pages, limits.fixed_width) for n in range(1, max_pages + 1)})
   decode = _classes(decode_bucket, min(S, B))
   rounds = _classes(round_bucket, min(S, B))
-  prefill = _classes(lambda n: next_pow2(n, MIN_PREFILL_ROWS), min(S, B))
+  prefill = _classes(lambda n: next_pow2(n, MIN_PREFILL_ROWS), prompts_cap)
   tokens = _classes(lambda n: token_bucket(n, MIN_PREFILL_TOKENS), B)
   keys = []
   for w in widths:

@@ -33,15 +33,17 @@ def default_model_name(model_dir: str | None) -> str:
 def build(cfg, *, model_name: str | None = None, max_waiting: int | None = None,
           model=None) -> Served:
   """Loads the model of `cfg` (a `paged_jax.serve.ServeConfig`), builds its engine, warms it
-  (cfg.warmup "one_user" or "all"), starts the engine thread; returns what `create_app` serves.
+  (cfg.warmup: "off" or one of `engine.WARMUP_SCOPES`), starts the engine thread; returns what `create_app` serves.
 
   model: (params, model config, tokenizer, eos ids) to reuse instead of loading cfg.model_dir.
   """
   from paged_jax import chat as chat_lib
   from paged_jax import embedded
   from paged_jax import serve
-  if cfg.warmup not in ("off", "one_user", "all"):
-    raise ValueError(f"warmup={cfg.warmup!r}: a server warms up with off, one_user or all")
+  from paged_jax.engine import WARMUP_SCOPES
+  if cfg.warmup not in ("off",) + WARMUP_SCOPES:
+    raise ValueError(f"warmup={cfg.warmup!r}: a server warms up with off or one of "
+                     f"{WARMUP_SCOPES}")
   if max_waiting is not None and max_waiting < 0:
     raise ValueError(f"max_waiting={max_waiting} must be >= 0 (or None: no bound)")
   params, mcfg, tokenizer, eos = model or serve.load_model(cfg)

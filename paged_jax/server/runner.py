@@ -67,6 +67,8 @@ class Metrics:
     self.open_requests = g("num_open_requests", "Engine requests the server is still serving.")
     self.programs = g("num_programs", "Distinct step programs run so far (each compiled, or "
                       "loaded from the program store, on first use).")
+    self.programs_on_demand = g("num_programs_on_demand", "Step programs compiled, or loaded "
+                                "from the program store, while a step waited (not by warmup).")
     self.asyncio_tasks = g("server_asyncio_tasks", "asyncio tasks in the server's event loop "
                            "(request handlers, streams), counted at this scrape.")
     self.prompt_tokens = c("prompt_tokens", "Prompt tokens of finished requests.")
@@ -91,6 +93,7 @@ class Metrics:
     self.kv_usage.set(gauges["pages_in_use"] / max(1, gauges["pages_usable"]))
     self.swap_copies.set(gauges["swap_copies"])
     self.programs.set(gauges["programs"])
+    self.programs_on_demand.set(gauges["programs_on_demand"])
     self.prefix_hit_rate.set(gauges["prefix_hits_tokens"]
                              / max(1, gauges["prefix_queries_tokens"]))
     self.open_requests.set(open_requests)

@@ -322,23 +322,29 @@ class ExperimentsTest(absltest.TestCase):
   def test_matmul_floor_times_every_route_on_every_shape(self):
     from experiments import matmul_floor
     cfg = matmul_floor.FloorConfig(hidden=16, intermediate=24, kv=8, vocab=40, tokens=12, rows=3,
-                                   rounds=1, read_mib=4)
-    r = matmul_floor.run(cfg)
+                                   rounds=1, read_mib=4, cold_mib=0)
+    r = matmul_floor.run(dataclasses.replace(cfg, cold_mib=0.01))   # batch-1: a few weights
     self.assertEqual([(x["m"], x["k"], x["n"]) for x in r["rows"]],
                      [s[1:] for s in matmul_floor.shapes(cfg)])
+    self.assertEqual([x["copies"] > 1 for x in r["rows"]],
+                     [s[1] == 1 for s in matmul_floor.shapes(cfg)])
     import importlib.util
     from paged_jax import matmul
-    torch = {"torch_f32", "torch_bf16"} if importlib.util.find_spec("torch") else set()
+    has_torch = importlib.util.find_spec("torch") is not None
+    torch = {"torch_f32", "torch_bf16"} if has_torch else set()
     mkl = {"mkl_f32", "mkl_bf16"} if matmul.mkl_unavailable_reason() is None else set()
-    routes = {"f32", "bf16_plain", "bf16_ours"} | torch | mkl
+    routes = {"f32", "bf16_plain", "bf16_ours", "numpy_f32"} | torch | mkl
     for row in r["rows"]:
-      self.assertEqual(set(row) - {"shape", "m", "k", "n"}, routes)
+      self.assertEqual(set(row) - {"shape", "m", "k", "n", "copies"}, routes)
       self.assertTrue(all(row[k] > 0 for k in routes))
     self.assertGreater(r["read_bandwidth"], 0)
+    self.assertEqual(r["torch_read_bandwidth"] is not None, has_torch)
     self.assertEqual(r["cpu_vendor"], matmul.cpu_vendor())
     r_no_mkl = matmul_floor.run(dataclasses.replace(cfg, mkl=False))
     self.assertFalse({"mkl_f32", "mkl_bf16"} & set(r_no_mkl["rows"][0]))
     text = matmul_floor.format_result(r)
+    self.assertIn("over 7 weights", text)   # batch-1 gate/up: 0.01 MiB over [16 x 24] f32
+    self.assertIn("over 5 weights", text)   # batch-1 lm head: over [16 x 40]
     self.assertIn("batch-1 lm head", text)
     self.assertIn("bf16_ours", text)
 

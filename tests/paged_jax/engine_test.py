@@ -3,6 +3,8 @@ preemption (swap and recompute), prefix caching on and off, n > 1, beam search a
 dense beam search, seeded sampling independent of the batch, streaming, abort, and the engine
 issue's regressions (6b, 6c, 6d)."""
 
+import collections
+
 from absl.testing import absltest, parameterized
 import numpy as np
 
@@ -317,6 +319,8 @@ class WarmupTest(absltest.TestCase):
         watching = True
       out[warm] = [e.generate([p], sp)[0].outputs[0].token_ids for p, sp in turns]
       watching = False
+      # a step waited for every program without warmup (jit compiled it), for none with it
+      self.assertEqual(e.metrics()["programs_on_demand"], 0 if warm else e.metrics()["programs"])
     self.assertGreater(e.metrics()["cached_prompt_tokens"], 0)
     self.assertEqual(e.metrics()["programs_not_warmed"], 0)
     self.assertEqual(e.metrics()["programs"], 3)   # prefill of 64 and of 128 tokens, a round
@@ -324,6 +328,60 @@ class WarmupTest(absltest.TestCase):
     self.assertEqual(out[True], out[False])
     with self.assertRaisesRegex(ValueError, "scope='most' is not"):
       e.warmup("most")
+
+  def test_scopes_nest(self):
+    # one_user < one_prompt (adds steps that prefill one prompt beside decode rows) < all.
+    from paged_jax import engine as engine_lib
+    e = make(num_pages=64, max_num_batched_tokens=128, max_num_seqs=4, steps_per_sync=3)
+    one_user, one_prompt, every = (set(e.warmup_programs(s)) for s in engine_lib.WARMUP_SCOPES)
+    self.assertLess(one_user, one_prompt)
+    self.assertLess(one_prompt, every)
+    self.assertTrue(all(k.num_prefill_rows <= 4 for k in one_prompt))
+
+  def test_programs_are_dropped_before_the_map_limit(self):
+    # Each compiled kernel holds its own memory maps; near vm.max_map_count the engine drops
+    # its least recently used programs (and JAX's caches), and a dropped one compiles again.
+    from unittest import mock
+    from paged_jax import program_store
+    sched = dict(max_num_batched_tokens=128, steps_per_sync=3, max_num_seqs=2)
+    prompt, sp = [t % 64 for t in range(1, 30)], SamplingParams(max_tokens=8)
+    e = make(num_pages=200, **sched)
+    want = e.generate([prompt], sp)[0].outputs[0].token_ids
+    e.warmup("one_user")
+    keys = list(e._compiled)   # oldest first
+    self.assertEqual(len(keys), 6)
+    maps = lambda: 100 + 300 * len(e._compiled)   # noqa: E731  (a simulated process)
+    with mock.patch.object(program_store, "map_limit", lambda: 4_000), \
+         mock.patch.object(program_store, "mapped_regions", maps):
+      self.assertEqual(e._bound_maps(keep=keys[0]), 0)   # 1,900 of 4,000: nothing
+    with mock.patch.object(program_store, "map_limit", lambda: 2_000), \
+         mock.patch.object(program_store, "mapped_regions", maps):
+      # 1,900 > 1,500: the older half of the 5 others goes (2), 1,300 > 1,000: 1 of the 3
+      # left; 1,000 is not above 1,000. keys[0], the one just run, stays.
+      self.assertEqual(e._bound_maps(keep=keys[0]), 3)
+      self.assertEqual(list(e._compiled), [keys[0], keys[4], keys[5]])
+      self.assertEqual(e.metrics()["evicted_programs"], 3)
+    # Least recently used first: what a request just ran outlives what it did not.
+    e.warmup("one_user")
+    calls, order = collections.Counter(e.programs), list(e._compiled)
+    self.assertEqual(e.generate([prompt], sp)[0].outputs[0].token_ids, want)
+    used = {k for k in e.programs if e.programs[k] > calls[k]}
+    self.assertBetween(len(used), 1, 3)
+    self.assertTrue(used & set(order[:3]))   # one of them was among the 3 oldest before
+    with mock.patch.object(program_store, "map_limit", lambda: 2_000), \
+         mock.patch.object(program_store, "mapped_regions", maps):
+      self.assertEqual(e._bound_maps(), 3)
+    self.assertLessEqual(used, set(e._compiled))
+    # Really: dropping every program and JAX's caches gives this process's maps back.
+    before = program_store.mapped_regions()
+    if before is None:
+      self.skipTest("no /proc/self/maps here")
+    with mock.patch.object(program_store, "MAPS_HIGH", 0.0), \
+         mock.patch.object(program_store, "MAPS_LOW", 0.0):
+      self.assertGreater(e._bound_maps(), 0)
+    self.assertEqual(e._compiled, {})
+    self.assertLess(program_store.mapped_regions(), before - 50)
+    self.assertEqual(e.generate([prompt], sp)[0].outputs[0].token_ids, want)
 
   def _store_engines(self, num_layers, impl="xla"):
     # A model of its own per test: XLA:CPU cannot serialize an executable that has already run

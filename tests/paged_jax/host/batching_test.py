@@ -103,6 +103,44 @@ class ProgramsTest(absltest.TestCase):
                             not k.num_prefill_rows), [1, 8, 16])
     self.assertGreater(len(many), 10 * len(keys))
 
+  def test_one_prompt_programs_cover_a_light_load(self):
+    # Requests arriving one at a time while others decode (a server under a light load) run
+    # only programs of `reachable_programs(max_prompts=1)`: every decode program, and steps
+    # that prefill one prompt's chunk beside any decode rows. Two prompts in one step can take
+    # a program outside it (a shorter longest chunk: a smaller max_q_len bucket).
+    rng = np.random.default_rng(4)
+    engine = Engine(None, CFG, cache=CacheConfig(page_size=4, num_pages=600),
+                    scheduler=SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=256,
+                                              steps_per_sync=3),
+                    steps=testing.FakeSteps().functions())
+    for n in rng.integers(1, 300, 30):
+      engine.add_request(rng.integers(0, 500, n).tolist(),
+                         SamplingParams(max_tokens=int(rng.integers(1, 12)), ignore_eos=True))
+      for _ in range(int(rng.integers(1, 4))):
+        if engine.has_unfinished():
+          engine.step()
+    while engine.has_unfinished():
+      engine.step()
+    limits = engine.program_limits
+    light = set(batching.reachable_programs(limits, max_prompts=1))
+    trickle = set(engine.programs)
+    self.assertEqual(trickle - light, set())
+    self.assertTrue(any(k.num_decode and k.num_prefill_rows for k in trickle))   # mixed steps
+    self.assertLessEqual({k for k in batching.reachable_programs(limits) if not k.num_prefill_rows},
+                         light)   # every decode program
+    one_user = set(batching.reachable_programs(dataclasses.replace(limits, max_num_seqs=1)))
+    self.assertLessEqual(one_user, light)
+    self.assertEqual({k.num_prefill_rows for k in light}, {0, batching.MIN_PREFILL_ROWS})
+    # Two short prompts in one step (40 + 30 tokens) make the 128-token bucket with max_q_len
+    # 64, which one prompt of 65-128 tokens (max_q_len 128) never does.
+    for p in ([1] * 40, [2] * 30):
+      engine.add_request(p, SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.step()
+    pair = set(engine.programs) - trickle
+    self.assertEqual([(k.num_prefill_tokens, k.max_q_len) for k in pair], [(128, 64)])
+    self.assertEqual(pair & light, set())
+    self.assertLess(len(light), len(batching.reachable_programs(limits)))   # 15 of 36 here
+
   def test_a_mixed_step_samples_one_row_per_row(self):
     # 5 decode rows (padded to 8) and 4 prompts (4 rows) all sample: 9 sample rows pad to the
     # step's 12 rows, not to 16 (which would be a program of its own).

@@ -209,6 +209,9 @@ class ServerTest(absltest.TestCase):
     self.assertEqual(_metric(self.server.base, "kv_pages_in_use"), 0)
     self.assertEqual(_metric(self.server.base, "num_open_requests"), 0)
     self.assertGreaterEqual(_metric(self.server.base, "num_programs"), 1)   # it ran a step
+    # no --warmup: every program was compiled while a request waited
+    self.assertEqual(_metric(self.server.base, "num_programs_on_demand"),
+                     _metric(self.server.base, "num_programs"))
     self.assertGreaterEqual(_metric(self.server.base, "server_asyncio_tasks"), 1)   # this scrape
 
   def _aborted(self) -> float:
