@@ -540,6 +540,7 @@ class Engine(EngineLoop):
       self._compiled[key] = compiled   # the most recently used last (`_bound_maps`)
     elif self._store is not None:   # load it, or compile and keep it
       compiled = self._program(key, fn, args, kw)[0]
+      self._new_programs = True
       self.stats.programs_on_demand += 1
     elif key not in self._jit_held:   # jit compiles it below (again, after `_bound_maps`)
       self._jit_held.add(key)

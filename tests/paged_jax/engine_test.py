@@ -418,7 +418,17 @@ class WarmupTest(absltest.TestCase):
     watching = False
     m = second.metrics()
     self.assertEqual((m["programs_compiled"], m["programs_loaded"]), (0, 2))
+    self.assertEqual(m["programs_on_demand"], 2)   # loaded while a step waited
     self.assertEqual([n for n in events if "compile" in n or "trace" in n], [])
+    # Near the map limit a program loaded on demand counts too: the prefill's program is
+    # dropped after the round's is loaded (a simulated process at 90 of 100 maps).
+    from unittest import mock
+    from paged_jax import program_store
+    third = new()
+    with mock.patch.object(program_store, "map_limit", lambda: 100), \
+         mock.patch.object(program_store, "mapped_regions", lambda: 90):
+      self.assertEqual(third.generate([prompt], sp)[0].outputs[0].token_ids, want)
+    self.assertEqual(third.metrics()["evicted_programs"], 1)
     with self.assertRaisesRegex(ValueError, "program_store with a mesh"):
       Engine(PARAMS, CFG, program_store=store, mesh=object())
 
