@@ -336,7 +336,7 @@ def bench_one(cfg: HttpBenchConfig, url: str, base: str | None, name: str, vocab
       after = programs()
       row["new_programs"] = after[0] - before[0]
       row["programs_on_demand"] = after[1] - before[1]
-    if base is not None:   # the server's next step frees what the last disconnects held
+      # the server's next step frees what the last disconnects held
       deadline = time.monotonic() + 30
       while any(leftovers(base, idle_tasks).values()) and time.monotonic() < deadline:
         time.sleep(0.1)

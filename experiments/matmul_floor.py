@@ -77,14 +77,19 @@ def copies(cfg: FloorConfig, m: int, k: int, n: int) -> int:
   return min(MAX_COPIES, max(1, -(-int(cfg.cold_mib * (1 << 20)) // (4 * k * n))))
 
 
-def _time(fn, args, rounds):
-  jax.block_until_ready(fn(*args))
+def _best_of(call, rounds):
+  """Seconds of the fastest of `rounds` calls of `call()`, after one untimed call."""
+  call()
   best = float("inf")
   for _ in range(rounds):
     t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
+    call()
     best = min(best, time.perf_counter() - t)
   return best
+
+
+def _time(fn, args, rounds):
+  return _best_of(lambda: jax.block_until_ready(fn(*args)), rounds)
 
 
 def read_bandwidth(rounds: int = 5, mib: int = 512) -> float:
@@ -102,24 +107,12 @@ def torch_read_bandwidth(threads: int, rounds: int = 5, mib: int = 512) -> float
     return None
   torch.set_num_threads(threads)
   x = torch.ones(mib << 18, dtype=torch.float32)
-  x.sum()
-  best = float("inf")
-  for _ in range(rounds):
-    t = time.perf_counter()
-    x.sum()
-    best = min(best, time.perf_counter() - t)
-  return x.numel() * 4 / best
+  return x.numel() * 4 / _best_of(x.sum, rounds)
 
 
 def _numpy_routes():
   def run(x, ws, rounds):
-    [x @ w for w in ws]
-    best = float("inf")
-    for _ in range(rounds):
-      t = time.perf_counter()
-      [x @ w for w in ws]
-      best = min(best, time.perf_counter() - t)
-    return best
+    return _best_of(lambda: [x @ w for w in ws], rounds)
   return {"numpy_f32": run}
 
 
@@ -133,13 +126,7 @@ def _torch_routes(threads: int):
   def route(dtype):
     def run(x, ws, rounds):
       a, bs = torch.from_numpy(x).to(dtype), [torch.from_numpy(w).to(dtype) for w in ws]
-      [torch.matmul(a, b) for b in bs]
-      best = float("inf")
-      for _ in range(rounds):
-        t = time.perf_counter()
-        [torch.matmul(a, b) for b in bs]
-        best = min(best, time.perf_counter() - t)
-      return best
+      return _best_of(lambda: [torch.matmul(a, b) for b in bs], rounds)
     return run
   return {"torch_f32": route(torch.float32), "torch_bf16": route(torch.bfloat16)}
 
@@ -222,6 +209,6 @@ if __name__ == "__main__":
   flags.DEFINE_integer("rounds", FloorConfig.rounds, "Timed rounds (best is reported).")
   flags.DEFINE_bool("mkl", FloorConfig.mkl, "Time the mkl_* routes where MKL can run.")
   flags.DEFINE_float("cold_mib", FloorConfig.cold_mib, "Batch-1 shapes: MiB of distinct "
-                       "weights per timed call (read from memory, not the cache).")
+                     "weights per timed call (read from memory, not the cache).")
   flags.DEFINE_string("out", "experiments/results/matmul_floor.jsonl", "JSONL to append to.")
   app.run(main)

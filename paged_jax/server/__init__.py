@@ -33,7 +33,8 @@ def default_model_name(model_dir: str | None) -> str:
 def build(cfg, *, model_name: str | None = None, max_waiting: int | None = None,
           model=None) -> Served:
   """Loads the model of `cfg` (a `paged_jax.serve.ServeConfig`), builds its engine, warms it
-  (cfg.warmup: "off" or one of `engine.WARMUP_SCOPES`), starts the engine thread; returns what `create_app` serves.
+  (cfg.warmup: "off" or one of `engine.WARMUP_SCOPES`), starts the engine thread; returns what
+  `create_app` serves.
 
   model: (params, model config, tokenizer, eos ids) to reuse instead of loading cfg.model_dir.
   """
