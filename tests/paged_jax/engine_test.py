@@ -349,28 +349,30 @@ class WarmupTest(absltest.TestCase):
     want = e.generate([prompt], sp)[0].outputs[0].token_ids
     e.warmup("one_user")
     keys = list(e._compiled)   # oldest first
-    self.assertEqual(len(keys), 6)
+    self.assertEqual(len(keys), 8)   # prefill buckets 16-128, rounds of 1 and 2, decode 1 and 8
+    sizes = [k.num_decode + k.num_prefill_tokens for k in keys]
+    self.assertEqual(sizes, sorted(sizes, reverse=True))   # the small ones last: they stay
     maps = lambda: 100 + 300 * len(e._compiled)   # noqa: E731  (a simulated process)
     with mock.patch.object(program_store, "map_limit", lambda: 4_000), \
          mock.patch.object(program_store, "mapped_regions", maps):
-      self.assertEqual(e._bound_maps(keep=keys[0]), 0)   # 1,900 of 4,000: nothing
+      self.assertEqual(e._bound_maps(keep=keys[0]), 0)   # 2,500 of 4,000: nothing
     with mock.patch.object(program_store, "map_limit", lambda: 2_000), \
          mock.patch.object(program_store, "mapped_regions", maps):
-      # 1,900 > 1,500: the older half of the 5 others goes (2), 1,300 > 1,000: 1 of the 3
+      # 2,500 > 1,500: the older half of the 7 others goes (3), 1,600 > 1,000: 2 of the 4
       # left; 1,000 is not above 1,000. keys[0], the one just run, stays.
-      self.assertEqual(e._bound_maps(keep=keys[0]), 3)
-      self.assertEqual(list(e._compiled), [keys[0], keys[4], keys[5]])
-      self.assertEqual(e.metrics()["evicted_programs"], 3)
+      self.assertEqual(e._bound_maps(keep=keys[0]), 5)
+      self.assertEqual(list(e._compiled), [keys[0], keys[6], keys[7]])
+      self.assertEqual(e.metrics()["evicted_programs"], 5)
     # Least recently used first: what a request just ran outlives what it did not.
     e.warmup("one_user")
     calls, order = collections.Counter(e.programs), list(e._compiled)
     self.assertEqual(e.generate([prompt], sp)[0].outputs[0].token_ids, want)
     used = {k for k in e.programs if e.programs[k] > calls[k]}
-    self.assertBetween(len(used), 1, 3)
+    self.assertBetween(len(used), 1, 2)
     self.assertTrue(used & set(order[:3]))   # one of them was among the 3 oldest before
     with mock.patch.object(program_store, "map_limit", lambda: 2_000), \
          mock.patch.object(program_store, "mapped_regions", maps):
-      self.assertEqual(e._bound_maps(), 3)
+      self.assertEqual(e._bound_maps(), 6)   # 2,500: 4 of 8 go, 1,300: 2 of 4; 2 stay
     self.assertLessEqual(used, set(e._compiled))
     # Really: dropping every program and JAX's caches gives this process's maps back.
     before = program_store.mapped_regions()
@@ -446,10 +448,11 @@ class WarmupTest(absltest.TestCase):
   def test_warmup_stores_and_loads_and_a_damaged_program_is_compiled_again(self):
     import os
     store, new, ref = self._store_engines(1)
-    # one user, a 64-token budget: a prefill bucket, a one-row round, a one-row decode step
-    self.assertEqual(new().warmup("one_user")["compiled"], 3)
+    # one user, a 64-token budget: prefill buckets of 16, 32 and 64 tokens, a one-row round,
+    # a one-row decode step
+    self.assertEqual(new().warmup("one_user")["compiled"], 5)
     report = new().warmup("one_user")
-    self.assertEqual((report["loaded"], report["compiled"]), (3, 0))
+    self.assertEqual((report["loaded"], report["compiled"]), (5, 0))
     for name in os.listdir(store):
       with open(os.path.join(store, name), "wb") as f:
         f.write(b"damaged")

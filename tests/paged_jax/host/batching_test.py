@@ -87,11 +87,12 @@ class ProgramsTest(absltest.TestCase):
     keys = batching.reachable_programs(limits)
     buckets = sorted({batching.token_bucket(n, batching.MIN_PREFILL_TOKENS)
                       for n in range(1, 257)})
-    self.assertEqual(buckets, [64, 128, 256])
+    self.assertEqual(buckets, [16, 32, 64, 128, 256])
     self.assertEqual(sorted(keys), sorted(
         [batching.ProgramKey("round", 1, 0, 0, 1, 128, 1, 0, 3),
          batching.ProgramKey("step", 1, 0, 0, 1, 128, 1)] +
-        [batching.ProgramKey("step", 0, 4, t, t, 128, 4) for t in buckets]))
+        [batching.ProgramKey("step", 0, 4, t, max(t, batching.MIN_Q_BUCKET), 128, 4)
+         for t in buckets]))
     # The kernel path keeps its width buckets: 64 and 128 columns here.
     wide = batching.reachable_programs(dataclasses.replace(limits, fixed_width=False))
     self.assertEqual(len(wide), 2 * len(keys))
