@@ -4,6 +4,7 @@
   python -m experiments.profile_step --preset=large --steps_per_sync=4
   python -m experiments.profile_step --model_dir=D --dtype=bfloat16   # a checkpoint, in bf16
   python -m experiments.profile_step --model_dir=D --num_requests=1    # one user (batch 1)
+  python -m experiments.profile_step --model_dir=D --scan_layers       # layers as one scan
 
 Runs the serve benchmark's workload (experiments/serve_bench.py) through the engine once to
 compile, then traces one prefill step of every prompt and one decode round with
@@ -29,16 +30,19 @@ import numpy as np
 from experiments import serve_bench
 
 # First match wins: the op_name of an XLA op (its JAX call stack) -> a model part.
-# The names are flax module names and the `jax.named_scope`s of model.py and step.py.
+# The names are flax module names and the `jax.named_scope`s of model.py and step.py. With
+# --scan_layers the layer body is a `closed_call` whose modules carry their class names
+# ("/MLP/", "RMSNorm/") and a tied LM head is "Embed.attend", so those are listed too (before
+# they were, a scanned model's MLP and norms all landed in "other").
 PARTS = (
     ("kv write", ("/kv_write",)),
     ("attention", ("/attention",)),
     ("rope", ("/rope",)),
     ("q/k/v/o projections", ("q_proj", "k_proj", "v_proj", "o_proj")),
-    ("mlp", ("_mlp",)),
-    ("norms", ("layernorm", "/norm")),
-    ("embedding", ("embed_tokens",)),
-    ("lm head", ("lm_head",)),
+    ("mlp", ("_mlp", "/MLP/")),
+    ("norms", ("layernorm", "/norm", "RMSNorm")),
+    ("lm head", ("lm_head", ".attend")),
+    ("embedding", ("embed_tokens", "/Embed")),
     ("sampling", ("/sampling",)),
 )
 _CONTAINERS = ("while", "conditional", "call")
@@ -49,6 +53,7 @@ class ProfileConfig:
   """The serve benchmark's model, workload and engine settings, and traced calls per step."""
   bench: serve_bench.BenchConfig = serve_bench.BenchConfig()
   repeats: int = 3
+  scan_layers: bool = False   # the decoder's layers as one scanned body (`Engine(scan_layers=)`)
 
 
 UNNAMED_DOTS = "matmuls (no op_name)"
@@ -107,7 +112,7 @@ def run(cfg: ProfileConfig, model_dir: str | None = None) -> dict:
   path = model_dir or tempfile.mkdtemp(prefix="profile_model_")
   if not glob.glob(f"{path}/config.json"):
     serve_bench.make_model(bench, path)
-  params, mcfg, _ = checkpoint.load_checkpoint(path, bench.dtype)
+  params, mcfg, _ = checkpoint.load_checkpoint(path, bench.dtype, stacked=cfg.scan_layers)
   prompts = serve_bench.workload(bench)
   longest = max(map(len, prompts)) + bench.new_tokens + bench.steps_per_sync
   engine = Engine(params, mcfg, cache=CacheConfig(
@@ -115,7 +120,8 @@ def run(cfg: ProfileConfig, model_dir: str | None = None) -> dict:
       scheduler=SchedulerConfig(max_num_seqs=max(bench.max_num_seqs, len(prompts)),
                                 max_num_batched_tokens=max(bench.max_num_batched_tokens,
                                                            sum(map(len, prompts))),
-                                steps_per_sync=bench.steps_per_sync))
+                                steps_per_sync=bench.steps_per_sync),
+      scan_layers=cfg.scan_layers)
   sp = SamplingParams(max_tokens=bench.new_tokens, ignore_eos=True)
   for p in prompts:
     engine.add_request(p, sp)
@@ -172,7 +178,8 @@ def main(argv):
   f = flags.FLAGS
   r = run(ProfileConfig(serve_bench.BenchConfig(preset=f.preset, steps_per_sync=f.steps_per_sync,
                                                  dtype=f.dtype,
-                                                 num_requests=f.num_requests)),
+                                                 num_requests=f.num_requests),
+                         scan_layers=f.scan_layers),
           f.model_dir)
   print(format_result(r))
 
@@ -184,4 +191,5 @@ if __name__ == "__main__":
   flags.DEFINE_string("model_dir", None, "Reuse a saved model directory.")
   flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Weights and KV pool dtype.")
   flags.DEFINE_integer("num_requests", 32, "Prompts of the workload (1: a single user's decode).")
+  flags.DEFINE_bool("scan_layers", False, "The decoder's layers as one scanned body.")
   app.run(main)

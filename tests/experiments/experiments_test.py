@@ -5,6 +5,7 @@ import json
 import os
 
 from absl.testing import absltest
+from absl.testing import parameterized
 import numpy as np
 import pytest
 
@@ -16,7 +17,7 @@ from experiments import (allocator_waste, attention_bench, attention_overhead, b
                          step_bench, train_copy_model)
 
 
-class ExperimentsTest(absltest.TestCase):
+class ExperimentsTest(parameterized.TestCase):
 
   def test_demo(self):
     r = demo.run(demo.DemoConfig(seq_lens=(1, 5, 17), q_lens=(1, 5, 2), page_size=4,
@@ -588,13 +589,14 @@ class ExperimentsTest(absltest.TestCase):
     self.assertEqual(r["config"]["mesh"], "2x2")
     self.assertGreater(r["engines"]["paged_jax"]["decode_steps"], 0)
 
-  def test_profile_step_attributes_time_to_model_parts(self):
+  @parameterized.parameters(False, True)
+  def test_profile_step_attributes_time_to_model_parts(self, scan_layers):
     r = profile_step.run(profile_step.ProfileConfig(serve_bench.BenchConfig(
         preset="tiny", vocab_size=64, num_requests=3, min_prompt=4, max_prompt=20, new_tokens=5,
-        page_size=4, steps_per_sync=2), repeats=1))
+        page_size=4, steps_per_sync=2), repeats=1, scan_layers=scan_layers))
     self.assertEqual((r["prefill_rows"], r["decode_rows"]), (3, 3))
     for kind in ("prefill", "decode"):
-      for part in ("attention", "mlp", "q/k/v/o projections", "kv write", "sampling"):
+      for part in ("attention", "mlp", "q/k/v/o projections", "norms", "kv write", "sampling"):
         self.assertGreater(r[kind].get(part, 0), 0, (kind, part, r[kind]))
 
   def test_profile_step_maps_ops_with_and_without_metadata(self):
@@ -604,9 +606,19 @@ class ExperimentsTest(absltest.TestCase):
         '  %fusion.1 = f32[4]{0} fusion(%c), kind=kLoop, metadata={op_type="mul" '
         'op_name="jit(f)/layers_0_mlp/up_proj/dot_general"}',
         '  ROOT %dot.4 = f32[2,8]{1,0} dot(%d, %e), metadata={op_name="jit(f)/lm_head/dot"}',
-        '  %add.2 = f32[4]{0} add(%f, %g)'])
+        '  %add.2 = f32[4]{0} add(%f, %g)',
+        # a scanned layer body: modules by class name; a tied LM head
+        '  %dot.5 = f32[4]{0} dot(%h, %i), metadata={op_name='
+        '"jit(sample_step)/while/body/closed_call/MLP/gate_proj/dot_general"}',
+        '  %fusion.6 = f32[4]{0} fusion(%j), kind=kLoop, metadata={op_name='
+        '"jit(sample_step)/while/body/closed_call/RMSNorm/mul"}',
+        '  %dot.7 = f32[4]{0} dot(%k, %l), metadata={op_name='
+        '"jit(sample_step)/Embed.attend/dot_general"}',
+        '  %gather.8 = f32[4]{0} gather(%m, %n), metadata={op_name='
+        '"jit(sample_step)/Embed/jit(_take)/gather"}'])
     self.assertEqual(profile_step._op_parts(hlo), {
-        "dot.3": profile_step.UNNAMED_DOTS, "fusion.1": "mlp", "dot.4": "lm head"})
+        "dot.3": profile_step.UNNAMED_DOTS, "fusion.1": "mlp", "dot.4": "lm head",
+        "dot.5": "mlp", "fusion.6": "norms", "dot.7": "lm head", "gather.8": "embedding"})
 
   def test_fragmentation_reproduces_the_seeds_example(self):
     import tempfile
