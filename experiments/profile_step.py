@@ -32,8 +32,8 @@ from experiments import serve_bench
 # First match wins: the op_name of an XLA op (its JAX call stack) -> a model part.
 # The names are flax module names and the `jax.named_scope`s of model.py and step.py. With
 # --scan_layers the layer body is a `closed_call` whose modules carry their class names
-# ("/MLP/", "RMSNorm/") and a tied LM head is "Embed.attend", so those are listed too (before
-# they were, a scanned model's MLP and norms all landed in "other").
+# ("/MLP/", "RMSNorm"), and a tied LM head is "Embed.attend"; without these keys a scanned
+# model's MLP and norms landed in "other".
 PARTS = (
     ("kv write", ("/kv_write",)),
     ("attention", ("/attention",)),

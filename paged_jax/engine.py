@@ -611,11 +611,8 @@ class Engine(EngineLoop):
     keys = self.warmup_programs(scope)
     t0 = time.perf_counter()
     self._warmed.update(k for k in keys if k in self._compiled)
-    # The largest first, the smallest last: past the process's map limit `_bound_maps` keeps
-    # the most recently compiled programs, and small steps (a few decode rows, one short
-    # prompt) are what a server meets most. (Warmup in `reachable_programs`' order left a
-    # SmolLM2 server holding its largest programs and loading 5-8 small ones from the store
-    # while clients waited, per 32 requests of http_bench at 0.5-1 req/s.)
+    # `_bound_maps` keeps the most recently compiled; small steps are what a server meets most
+    # (in `reachable_programs`' order a SmolLM2 server lost them and loaded 5-8 per rate later).
     todo = sorted((k for k in keys if k not in self._compiled),
                   key=lambda k: -(k.num_decode + k.num_prefill_tokens))
     loaded = 0
