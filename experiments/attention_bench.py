@@ -19,6 +19,11 @@ Paths:
                    block) work items, so ragged rows (--min_seq_len) cost their own length.
   decode_cpu       `cpu_kernel.decode_attention` (decode only, CPU backend): the C++ kernel behind
                    XLA's FFI that impl "auto" runs decode rows on, on a CPU.
+  prefill_xla      `prefill_attention` (prefill only): the step's own keys by causal tiles, the
+                   prefix through the block table; what a step's large prefill chunks run on a CPU.
+  prefill_cpu      `prefill_attention_cpu` (prefill only, CPU backend): every token a one-query
+                   row of the C++ kernel; what a step's small chunks run on a CPU
+                   (`attention.TOKEN_ROWS_MAX_KEYS`). Fresh prompts: --seq_lens=N --prefill_q_len=N.
   pallas           our Triton kernel (`pallas_kernels.paged_attention`), GPU (or --interpret).
   jax_paged        `jax.experimental.pallas.ops.gpu.paged_attention` (decode only; its pool is
                    [kv_heads, pages, page_size, head_dim], prepared once outside the timing; it has no
@@ -50,8 +55,8 @@ import numpy as np
 from paged_jax import attention, cpu_kernel
 from pallas_kernels.paged_attention import kernel_triton, reference
 
-ALL_IMPLS = ("dense_reference", "dense_blocked", "paged_xla", "decode_xla", "decode_cpu", "pallas",
-             "jax_paged", "jax_decode")
+ALL_IMPLS = ("dense_reference", "dense_blocked", "paged_xla", "decode_xla", "decode_cpu",
+             "prefill_xla", "prefill_cpu", "pallas", "jax_paged", "jax_decode")
 KERNEL_IMPLS = ("pallas", "jax_paged", "jax_decode")
 _DECODE_ONLY = ("jax_paged", "jax_decode")
 
@@ -204,6 +209,19 @@ def implementations(cfg: BenchConfig, data: dict) -> dict[str, Callable[[dict], 
     if cpu_kernel.unavailable_reason() is None:
       impls["decode_cpu"] = lambda d: cpu_kernel.decode_attention(
           d["q"], d["k_pages"], d["v_pages"], d["block_tables"], d["seq_lens"], d["cu_q_lens"])
+  if cfg.mode == "prefill":
+    # The chunks' own keys (each row's last q_len), as a step has them beside its pages.
+    lens, q_len = seq_lens(cfg), cfg.q_len
+    own = [jnp.concatenate([x[b, n - q_len:n] for b, n in enumerate(lens)])
+           for x in (data["k"], data["v"])]
+    prefill_xla = jax.jit(functools.partial(attention.prefill_attention, max_q_len=max_q_len))
+    impls["prefill_xla"] = lambda d: prefill_xla(d["q"], *own, d["k_pages"], d["v_pages"],
+                                                 d["block_tables"], d["seq_lens"], d["cu_q_lens"])
+    if cpu_kernel.unavailable_reason() is None:
+      prefill_cpu = jax.jit(attention.prefill_attention_cpu)
+      impls["prefill_cpu"] = lambda d: prefill_cpu(d["q"], d["k_pages"], d["v_pages"],
+                                                   d["block_tables"], d["seq_lens"],
+                                                   d["cu_q_lens"])
   if cfg.interpret or attention.kernel_unavailable_reason(cfg.head_dim, cfg.page_size) is None:
     impls["pallas"] = lambda d: kernel_triton.paged_attention(
         d["q"], d["k_pages"], d["v_pages"], d["block_tables"], d["seq_lens"], d["cu_q_lens"],

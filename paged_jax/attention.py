@@ -12,7 +12,8 @@ the fair baseline for benchmarks), the Pallas kernel's split merge, and `merge_s
 CUDA GPUs of compute capability >= 8.0, and the XLA paths everywhere else (`decode_attention_xla`
 for one query per row, split by (row, key block) work items; `paged_attention_xla` otherwise).
 On the CPU backend, decode rows of unquantized f32 / bf16 pages run a C++ kernel behind XLA's FFI
-instead (`cpu_kernel`: the same summaries, one pass over each row's pages), where it builds.
+instead (`cpu_kernel`: the same summaries, one pass over each row's pages), where it builds; so do
+a step's small prefill chunks, each token a one-query row (`prefill_attention_cpu`).
 
 Every path also reads quantized pages (`kv_quant.QuantizedPages`: indexing dequantizes, so the
 XLA paths' gathers do; the kernel gets the codes and scales).
@@ -50,7 +51,8 @@ __all__ = ["Summary", "block_summary", "merge_summaries", "finalize", "merge_sta
            "step_attention", "DEFAULT_TILE_TOKENS", "DEFAULT_TILES_PER_CHUNK",
            "contiguous_attention", "validate_attention_inputs", "DEFAULT_BLOCK_TOKENS",
            "decode_attention_xla", "DECODE_BLOCK_TOKENS", "DECODE_ITEMS_PER_CHUNK",
-           "decode_items_per_chunk", "cpu_kernel_applies"]
+           "decode_items_per_chunk", "cpu_kernel_applies", "token_positions",
+           "prefill_attention_cpu", "token_row_keys", "TOKEN_ROWS_MAX_KEYS"]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -58,6 +60,18 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 # (experiments/attention_bench.py --block_tokens sweeps it); a block stays in L2 between the
 # score and value passes.
 DEFAULT_BLOCK_TOKENS = 64
+
+# On the CPU, a step's prefill tokens run as one-query rows of the C++ decode kernel
+# (`prefill_attention_cpu`) while the keys they read (`token_row_keys`; bounded statically by
+# prefill tokens x the table's width in keys) are at most this many (0: never). Below it the
+# kernel was 1.1-7x faster than the tiled XLA path alone on SmolLM2's heads (9 / 3 / 64), from
+# a 16-token prompt (0.03 against 0.20 ms a layer) to 256 fresh tokens (2.2 against 3.2) and
+# to 64 tokens after 960 keys (4.1 against 4.8, at this bound); the XLA path wins from 512
+# fresh tokens (9.7 against 8.3) (`experiments/attention_bench.py --modes=prefill
+# --impls=prefill_xla,prefill_cpu`). In SmolLM2's step, one prompt beside a decode row: 16
+# tokens 97.8 -> 60.9 ms, 64 tokens 153.7 -> 126.1 (`experiments/mixed_step_bench.py`; results
+# page, "Small prefill chunks on the C++ kernel").
+TOKEN_ROWS_MAX_KEYS = 65536
 
 
 def merge_states(o_a, lse_a, o_b, lse_b) -> tuple[jax.Array, jax.Array]:
@@ -126,8 +140,9 @@ def _blocked_attention(fetch: Callable[[jax.Array], tuple[jax.Array, jax.Array]]
 
 
 # "interpret": the Pallas kernel through Pallas' interpreter (any backend; slow, for tests such
-# as the engine's isolation test on the CPU). "cpu": decode rows through the C++ CPU kernel
-# (`cpu_kernel`), everything else on the XLA paths; "xla" keeps decode rows on XLA too.
+# as the engine's isolation test on the CPU). "cpu": decode rows (and in `step_attention` small
+# prefill chunks) through the C++ CPU kernel (`cpu_kernel`), everything else on the XLA paths;
+# "xla" keeps them on XLA too.
 IMPLS = ("auto", "xla", "pallas", "interpret", "cpu")
 _KERNEL_MIN_COMPUTE_CAPABILITY = (8, 0)   # Triton backend's floor (Ampere)
 
@@ -157,7 +172,8 @@ def kernel_unavailable_reason(head_dim: int | None = None, page_size: int | None
 
 
 def cpu_kernel_applies(q, k_pages, impl: str) -> bool:
-  """Whether decode rows run the C++ CPU kernel (`cpu_kernel`) under `impl`.
+  """Whether decode rows (and `step_attention`'s small prefill chunks) run the C++ CPU kernel
+  (`cpu_kernel`) under `impl`.
 
   "cpu" and "auto" use it on the CPU backend where it builds, for unquantized pages of q's
   dtype (f32 or bf16) and at most 16 query heads per kv head; quantized pages and other dtypes
@@ -508,6 +524,61 @@ def causal_ragged_attention(q, k, v, cu_q_lens, *, max_q_len: int, scale: float 
   return o.astype(q.dtype), lse
 
 
+def token_positions(seq_lens, cu_q_lens, tokens):
+  """Each token's row and position in its sequence.
+
+  Args:
+    seq_lens: i32[num_seqs] keys per row after this step; cu_q_lens: i32[num_seqs + 1].
+    tokens: i32[n] token indices into the step's ragged layout.
+
+  Returns:
+    (row i32[n], position i32[n]): the row whose queries cu_q_lens[row]:cu_q_lens[row + 1] hold
+    the token (rows of no query are skipped; tokens past cu_q_lens[-1] get the last row), and
+    its position seq_lens[row] - q_len[row] + (token - cu_q_lens[row]).
+  """
+  num_rows = seq_lens.shape[0]
+  row = jnp.clip(jnp.searchsorted(cu_q_lens[1:], tokens, side="right"), 0, num_rows - 1)
+  q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+  return row, seq_lens[row] - q_lens[row] + tokens - cu_q_lens[row]
+
+
+def token_row_keys(seq_lens, cu_q_lens):
+  """f32[] keys `prefill_attention_cpu` reads for these rows (per kv head): a row of q_len n
+  ending at seq_len s reads s - n + 1, ..., s keys, n * s - n * (n - 1) / 2 in all."""
+  n = (cu_q_lens[1:] - cu_q_lens[:-1]).astype(jnp.float32)
+  return jnp.sum(n * seq_lens.astype(jnp.float32) - n * (n - 1) / 2)
+
+
+def prefill_attention_cpu(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
+                          scale: float | None = None, sliding_window: int | None = None,
+                          soft_cap: float | None = None):
+  """Prefill chunks on the C++ CPU kernel: every token a one-query row over its own row's pages.
+
+  Token t of row b attends to keys 0..position(t) of b (its prefix and the chunk's keys up to
+  itself), so each token is a decode row of `position + 1` keys through b's block table, and
+  the kernel's one pass per (token, kv head) needs no tiles, sort or scatter. It reads
+  sum(position + 1) keys (`token_row_keys`), so it suits chunks of few tokens: `step_attention`
+  bounds it by TOKEN_ROWS_MAX_KEYS. This step's K/V must already be in the pages.
+
+  Args:
+    q: dtype[num_tokens, num_q_heads, head_dim], ragged by cu_q_lens; tokens past
+      cu_q_lens[-1] are padding.
+    k_pages, v_pages: dtype[num_pages, page_size, num_kv_heads, head_dim] (one layer).
+    block_tables: i32[num_seqs, max_pages_per_seq]; seq_lens: i32[num_seqs];
+      cu_q_lens: i32[num_seqs + 1].
+    scale, sliding_window, soft_cap: as in `paged_attention_xla`.
+
+  Returns:
+    dtype[num_tokens, num_q_heads, head_dim]; zeros for padding tokens.
+  """
+  tokens = jnp.arange(q.shape[0], dtype=jnp.int32)
+  row, position = token_positions(seq_lens, cu_q_lens, tokens)
+  lens = jnp.where(tokens < cu_q_lens[-1], position + 1, 0).astype(jnp.int32)
+  return cpu_kernel.decode_attention(q, k_pages, v_pages, block_tables[row], lens,
+                                     jnp.arange(q.shape[0] + 1, dtype=jnp.int32),
+                                     scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+
+
 def prefill_attention(q, k, v, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
                       max_q_len: int, scale: float | None = None,
                       sliding_window: int | None = None, soft_cap: float | None = None,
@@ -558,7 +629,10 @@ def step_attention(q, k, v, k_pages, v_pages, block_tables, seq_lens, cu_q_lens,
   them are prefill chunks (ragged). The Pallas kernel takes the whole batch in one launch. The XLA
   path runs decode rows with max_q_len=1 through `decode_attention_xla` (or the C++ CPU kernel,
   `cpu_kernel_applies`) and prefill rows through `prefill_attention`, so no decode row is
-  padded to a prefill chunk's length.
+  padded to a prefill chunk's length. Where the C++ kernel takes the decode rows, prefill
+  chunks whose token rows read at most TOKEN_ROWS_MAX_KEYS keys run as one-query rows of it too
+  (`prefill_attention_cpu`): always when prefill tokens x the table's width in keys is within
+  the bound, else as the step's rows decide when it runs (`lax.cond` on `token_row_keys`).
 
   Args:
     q: dtype[num_tokens, num_q_heads, head_dim]; k, v: dtype[num_tokens, num_kv_heads, head_dim].
@@ -579,15 +653,25 @@ def step_attention(q, k, v, k_pages, v_pages, block_tables, seq_lens, cu_q_lens,
     return paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens,
                            max_q_len=max(max_q_len, 1), impl=impl, **kw)
   d = num_decode
+  on_cpu = cpu_kernel_applies(q, k_pages, impl)
   parts = []
   if d:
-    decode = (cpu_kernel.decode_attention if cpu_kernel_applies(q, k_pages, impl)
-              else decode_attention_xla)
+    decode = cpu_kernel.decode_attention if on_cpu else decode_attention_xla
     parts.append(decode(q[:d], k_pages, v_pages, block_tables[:d], seq_lens[:d],
                         jnp.arange(d + 1, dtype=jnp.int32), **kw))
   if q.shape[0] > d:
-    parts.append(prefill_attention(q[d:], k[d:], v[d:], k_pages, v_pages, block_tables[d:],
-                                   seq_lens[d:], cu_q_lens[d:] - d, max_q_len=max_q_len, **kw))
+    rows = (q[d:], k_pages, v_pages, block_tables[d:], seq_lens[d:], cu_q_lens[d:] - d)
+    tiled = lambda _: prefill_attention(q[d:], k[d:], v[d:], *rows[1:], max_q_len=max_q_len,
+                                        **kw)
+    token_rows = lambda _: prefill_attention_cpu(*rows, **kw)
+    widest = block_tables.shape[1] * k_pages.shape[1]   # keys a row's table can hold
+    if not on_cpu or TOKEN_ROWS_MAX_KEYS <= 0:
+      parts.append(tiled(None))
+    elif (q.shape[0] - d) * widest <= TOKEN_ROWS_MAX_KEYS:   # bounded whatever the rows hold
+      parts.append(token_rows(None))
+    else:   # the keys the token rows would read, known when the step runs
+      parts.append(jax.lax.cond(token_row_keys(*rows[4:]) <= TOKEN_ROWS_MAX_KEYS, token_rows,
+                                tiled, None))
   return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
 

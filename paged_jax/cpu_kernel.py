@@ -5,7 +5,8 @@ layer (a group of 3 query heads against 32 keys of 64 dims each), at 4-5 GB/s of
 the machine reads 25-45 GB/s. This kernel (`cpu_kernel.cc`, beside this file) walks each row's
 pages once per (row, kv head), scores the whole query group against each key as it reads it,
 and merges the softmax online page by page with the seeds' section 11 rule, in f32, over XLA's
-intra-op thread pool. Decode rows only (one query per row); prefill chunks stay on the XLA path.
+intra-op thread pool. One query per row: `attention.prefill_attention_cpu` runs a step's small
+prefill chunks on it as one row per token; larger chunks stay on the XLA path.
 
 The source is compiled on first use with the system C++ compiler (`$CXX`, else `c++`) against
 the headers jaxlib ships (`jax.ffi.include_dir()`), `-O3 -march=native`, into

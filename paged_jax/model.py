@@ -87,10 +87,7 @@ class PagedKV:
                                    md.seq_lens, md.cu_q_lens, num_decode=md.num_decode,
                                    max_q_len=md.max_q_len, impl=self.impl, **kw)
     else:
-      num_rows = md.seq_lens.shape[0]
-      row = jnp.clip(jnp.searchsorted(md.cu_q_lens[1:], select, side="right"), 0, num_rows - 1)
-      q_lens = md.cu_q_lens[1:] - md.cu_q_lens[:-1]
-      position = md.seq_lens[row] - q_lens[row] + select - md.cu_q_lens[row]
+      row, position = attention.token_positions(md.seq_lens, md.cu_q_lens, select)
       o = attention.paged_attention(
           q, pages_k, pages_v, md.block_tables[row],
           jnp.maximum(position + 1, 1).astype(jnp.int32),

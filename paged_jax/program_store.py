@@ -8,7 +8,9 @@ loads it in ~0.1 s, donation and calling convention included, and calls it direc
 
 A program's file is named by its `batching.ProgramKey` and by everything else that decides what
 was compiled (`engine_identity`): the model config, the attention path, the tree, shapes and
-dtypes of the params and the pool, the JAX / jaxlib versions and the device. A file that cannot
+dtypes of the params and the pool, the JAX / jaxlib versions, the device, and the source of the
+code that traces the programs (`source_digest`: an edit to the model or an attention path is
+compiled afresh, never served from an older program). A file that cannot
 be read (another jaxlib's format, a truncated write) is compiled again and rewritten.
 
 Loading an executable runs code it contains: keep the store in a directory only you write.
@@ -17,6 +19,7 @@ Host side; one device (a mesh's sharded executables are not stored).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import pickle
@@ -77,14 +80,37 @@ def cache_hits() -> int:
   return _hits[0]
 
 
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+SOURCE_ROOTS = (_PACKAGE, os.path.join(os.path.dirname(_PACKAGE), "pallas_kernels"))
+
+
+@functools.lru_cache(maxsize=None)
+def source_digest(roots: tuple[str, ...] = SOURCE_ROOTS) -> str:
+  """A digest of the source that traces step programs: every .py and .cc file under `roots`
+  (`paged_jax` and `pallas_kernels`; host-side files too: an edit there costs a compile, never
+  a stale program), with its path relative to its root's parent."""
+  digest = hashlib.sha1()
+  for root in roots:
+    for dirpath, dirnames, filenames in os.walk(root):
+      dirnames.sort()
+      for name in sorted(filenames):
+        if name.endswith((".py", ".cc")):
+          path = os.path.join(dirpath, name)
+          digest.update(os.path.relpath(path, os.path.dirname(root)).encode())
+          with open(path, "rb") as f:
+            digest.update(f.read())
+  return digest.hexdigest()[:16]
+
+
 def engine_identity(cfg, impl: str, params, pool) -> str:
   """A digest of what, besides the program key, decides an engine's compiled programs."""
   import jaxlib
   device = jax.devices()[0]
   avals = [(jax.tree_util.keystr(p), x.shape, str(x.dtype))
            for p, x in jax.tree_util.tree_flatten_with_path((params, pool))[0]]
-  ident = repr((_FORMAT, cfg, impl, jax.__version__, jaxlib.__version__, device.platform,
-                device.device_kind, str(jax.tree_util.tree_structure((params, pool))), avals))
+  ident = repr((_FORMAT, source_digest(), cfg, impl, jax.__version__, jaxlib.__version__,
+                device.platform, device.device_kind,
+                str(jax.tree_util.tree_structure((params, pool))), avals))
   return hashlib.sha1(ident.encode()).hexdigest()[:16]
 
 

@@ -12,9 +12,9 @@ import pytest
 from experiments import (allocator_waste, attention_bench, attention_overhead, block_manager_bench,
                          copy_eval, cpu_parts_bench, decode_round_bench, demo, depth_compile,
                          dtype_bench, fragmentation, kv_quant_bench, latency_bench,
-                         layer_loop_bench, mutation_score, ondevice_bench, page_size_sweep,
-                         pool_map, preemption, profile_step, rate_sweep, serve_bench, sharing,
-                         step_bench, train_copy_model)
+                         layer_loop_bench, mixed_step_bench, mutation_score, ondevice_bench,
+                         page_size_sweep, pool_map, preemption, profile_step, rate_sweep,
+                         serve_bench, sharing, step_bench, train_copy_model)
 
 
 class ExperimentsTest(parameterized.TestCase):
@@ -46,6 +46,19 @@ class ExperimentsTest(parameterized.TestCase):
       attention_bench.run(attention_bench.BenchConfig(table_order="random"), copy_bytes_per_s=1e9)
     with self.assertRaisesRegex(ValueError, "not available"):
       attention_bench.run(attention_bench.BenchConfig(impls=("nope",)), copy_bytes_per_s=1e9)
+
+  def test_attention_bench_prefill_paths(self):
+    # Chunks of 6 at the end of ragged rows of 8-40 keys (prefixes of 2-34): both prefill paths
+    # pass run()'s check against the reference (it raises otherwise) and are timed.
+    cfg = attention_bench.BenchConfig(num_seqs=3, seq_len=40, min_seq_len=8, q_len=6, page_size=4,
+                                      num_q_heads=6, num_kv_heads=2, head_dim=8, rounds=1,
+                                      iters=1, impls=("prefill_xla", "prefill_cpu"),
+                                      baseline="prefill_xla")
+    records = attention_bench.run(cfg, copy_bytes_per_s=1e9)
+    self.assertEqual([(r["mode"], r["impl"]) for r in records],
+                     [("prefill", "prefill_xla"), ("prefill", "prefill_cpu")])
+    self.assertTrue(all(r["max_abs_err"] <= 1e-5 and r["ms"] > 0 for r in records))
+    self.assertEqual(records[0]["ratio_vs_baseline"], 1.0)
 
   def test_attention_bench_kernel_tiles(self):
     # --tiles: the kernel again with other tiles, checked and timed beside the default (the
@@ -482,6 +495,49 @@ class ExperimentsTest(parameterized.TestCase):
                            / floor["read_bytes_per_s"])
     self.assertEqual([n for n, _, _ in latency_bench.runs(latency_bench.LatencyConfig(
         users=(4,)))], ["4 users"])
+
+  def test_mixed_step_bench_variants_trace_their_own_routes(self):
+    # Each variant's engine traces its prefill attention under its own patch (never another
+    # engine's cached trace, and no patch outlives its engine's steps): the engine the token
+    # rows alone (the embedded model's short tables bound them statically), the tiled variant
+    # the tiled path alone, the ablation neither; the three in one run both. Loading the
+    # checkpoint (an eval_shape of the model on the XLA path) is not counted.
+    from unittest import mock
+    from paged_jax import attention, checkpoint
+    traced, loading = [], []
+
+    def spy(name, real):
+      return lambda *a, **k: ((None if loading else traced.append(name)), real(*a, **k))[1]
+
+    def load(*a, real=checkpoint.load_checkpoint, **k):
+      loading.append(1)
+      try:
+        return real(*a, **k)
+      finally:
+        loading.clear()
+
+    cfg = mixed_step_bench.MixedStepConfig(prompt_tokens=(16,), decode_rows=(2,), trials=2)
+    seen = {}
+    for variant in (None,) + mixed_step_bench.VARIANTS:
+      traced.clear()
+      with mock.patch.object(attention, "prefill_attention_cpu",
+                             spy("rows", attention.prefill_attention_cpu)), \
+           mock.patch.object(attention, "prefill_attention",
+                             spy("tiled", attention.prefill_attention)), \
+           mock.patch.object(checkpoint, "load_checkpoint", load):
+        run = mixed_step_bench.run(dataclasses.replace(
+            cfg, variants=(variant,) if variant else mixed_step_bench.VARIANTS),
+            progress=lambda _: None)
+      seen[variant] = set(traced)
+      r = run if variant is None else r
+    self.assertEqual(seen, {None: {"rows", "tiled"}, "engine": {"rows"},
+                            "tiled_prefill_attention": {"tiled"}, "no_prefill_attention": set()})
+    self.assertEqual([(x["decode_rows"], x["prompt_tokens"], x["variant"]) for x in r["rows"]],
+                     [(2, 16, v) for v in mixed_step_bench.VARIANTS])
+    self.assertTrue(all(len(x["ms_all"]) == 2 and x["ms"] > 0 for x in r["rows"]))
+    self.assertEqual(r["rows"][0]["vs_engine_ms"], 0.0)
+    with self.assertRaisesRegex(ValueError, "variant 'pallas' is not one of"):
+      mixed_step_bench.run(dataclasses.replace(cfg, variants=("pallas",)))
 
   def test_decode_round_bench(self):
     r = decode_round_bench.run(decode_round_bench.RoundConfig(

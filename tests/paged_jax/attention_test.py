@@ -211,6 +211,16 @@ class PrefillAttentionTest(parameterized.TestCase):
     chex.assert_trees_all_close(out, _reference(*inp, soft_cap=3.0), **TOL[jnp.float32])
 
 
+class TokenPositionsTest(absltest.TestCase):
+
+  def test_rows_and_positions(self):
+    # Rows of 2 (after 3 keys), 0 and 3 (fresh) queries, then a padding token.
+    row, position = attention.token_positions(jnp.asarray([5, 4, 3]), jnp.asarray([0, 2, 2, 5]),
+                                              jnp.arange(6))
+    np.testing.assert_array_equal(row, [0, 0, 2, 2, 2, 2])
+    np.testing.assert_array_equal(position[:5], [3, 4, 0, 1, 2])
+
+
 class PrefillEdgeTest(parameterized.TestCase):
   """The XLA split's edges: empty and one-token batches, a prefix of one key, more decode rows
   than heads, and the options `causal_ragged_attention` checks itself."""

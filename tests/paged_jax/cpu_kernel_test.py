@@ -26,6 +26,18 @@ def setUpModule():
     raise AssertionError(f"the CPU kernel does not build here: {reason}")
 
 
+def _step_kv(inp):
+  """This step's K/V (each row's last q_len keys) read back from the pages, as the model writes
+  them there before attention: [num_tokens, num_kv_heads, head_dim] each."""
+  dense = [testing.pages_to_dense(p, inp.block_tables, inp.seq_lens) for p in inp[1:3]]
+  cu, lens = np.asarray(inp.cu_q_lens), np.asarray(inp.seq_lens)
+  out = [np.zeros((inp.q.shape[0],) + d.shape[2:], d.dtype) for d in dense]
+  for b, (a, e) in enumerate(zip(cu[:-1], cu[1:])):
+    for o, d in zip(out, dense):
+      o[a:e] = d[b, lens[b] - (e - a):lens[b]]
+  return [jnp.asarray(o) for o in out]
+
+
 class ExactnessTest(parameterized.TestCase):
 
   @parameterized.product(window=(None, 1, 3, 4, 5, 100), threads=(0, 1))
@@ -63,6 +75,26 @@ class ExactnessTest(parameterized.TestCase):
       out = cpu_kernel.decode_attention(*inp, min_units_per_thread=threads)
       np.testing.assert_allclose(np.asarray(out, np.float64), testing.naive_paged_attention(*inp),
                                  **F32)
+
+  @parameterized.product(window=(None, 1, 3, 6), dtype=(jnp.float32, jnp.bfloat16))
+  def test_prefill_chunks_as_token_rows_match_the_oracle(self, window, dtype):
+    # Chunks after prefixes (one key, a page and a bit), fresh prompts (one token, two pages),
+    # a row with no query, a one-token chunk, two padding tokens.
+    seq_lens = [6, 9, 1, 5, 8, 3]
+    q_lens = [5, 4, 1, 0, 8, 1]
+    inp = testing.random_paged_inputs(21, seq_lens, q_lens=q_lens, page_size=4, num_kv_heads=2,
+                                      q_per_kv=3, pad_tokens=2, dtype=dtype)
+    kw = dict(sliding_window=window, soft_cap=2.5 if window in (3, None) else None, scale=0.3)
+    out = attention.prefill_attention_cpu(*inp, **kw)
+    self.assertEqual(out.dtype, dtype)
+    np.testing.assert_allclose(np.asarray(out, np.float64), testing.naive_paged_attention(*inp, **kw),
+                               **(F32 if dtype == jnp.float32 else BF16))
+    np.testing.assert_array_equal(np.asarray(out[-2:], np.float32), 0)   # padding tokens
+
+  def test_token_row_keys(self):
+    # Rows of 2 queries after 3 keys, none, 3 fresh: (3 + 1) + (4 + 1) and 1 + 2 + 3 keys.
+    self.assertEqual(float(attention.token_row_keys(jnp.asarray([5, 4, 3]),
+                                                    jnp.asarray([0, 2, 2, 5]))), 15)
 
   def test_bf16_reads_bf16_and_returns_bf16(self):
     inp = testing.random_paged_inputs(3, [5, 40, 17], page_size=4, dtype=jnp.bfloat16,
@@ -146,15 +178,40 @@ class DispatchTest(absltest.TestCase):
       attention.paged_attention(*inp, impl="cpu")          # max_q_len unknown: XLA
     self.assertEqual(calls, [(2, 4, 16), (2, 4, 16)])
 
-  def test_step_attention_runs_decode_rows_on_the_kernel_and_prefill_on_xla(self):
-    # Two decode rows, then a prefill chunk of 5 after a 3-token prefix: same as impl="xla".
-    inp = testing.random_paged_inputs(8, [9, 4, 8], q_lens=[1, 1, 5], page_size=4,
-                                      poison=False)
-    k = jnp.asarray(np.random.default_rng(0).standard_normal((7, 2, 16)), jnp.float32)
-    kw = dict(num_decode=2, max_q_len=5, sliding_window=6)
-    chex.assert_trees_all_close(attention.step_attention(inp.q, k, k, *inp[1:], impl="cpu", **kw),
-                                attention.step_attention(inp.q, k, k, *inp[1:], impl="xla", **kw),
-                                **F32)
+  def test_step_attention_runs_small_prefill_chunks_as_kernel_rows(self):
+    # Two decode rows, then prefill chunks of 5 (after a 3-token prefix) and 2 (a fresh prompt)
+    # and a padding token. 8 prefill tokens x 12 keys (3 table columns of 4) = 96 bound the
+    # token rows' reads whatever the rows hold; they read 33. So: at a bound of 96 the chunks
+    # are kernel rows, traced alone; below it both routes are traced and the step picks the
+    # kernel rows down to 33 keys, the tiled XLA path under that (and at 0, traced alone).
+    # Every route: the oracle's numbers.
+    inp = testing.random_paged_inputs(8, [9, 4, 8, 2], q_lens=[1, 1, 5, 2], page_size=4,
+                                      pad_tokens=1, extra_table_columns=0)
+    self.assertEqual(inp.block_tables.shape[1] * inp.k_pages.shape[1], 12)
+    self.assertEqual(float(attention.token_row_keys(inp.seq_lens[2:], inp.cu_q_lens[2:] - 2)),
+                     33)
+    k, v = _step_kv(inp)
+    kw = dict(num_decode=2, max_q_len=5, sliding_window=6, soft_cap=2.5)
+    expected = testing.naive_paged_attention(*inp, sliding_window=6, soft_cap=2.5)
+    step = lambda impl="cpu": attention.step_attention(inp.q, k, v, *inp[1:], impl=impl, **kw)
+    tiled = attention.prefill_attention
+    for bound, routes, kernel_rows in ((96, ["rows"], True), (33, ["rows", "tiled"], True),
+                                       (32, ["rows", "tiled"], False), (0, ["tiled"], False)):
+      with mock.patch.object(attention, "TOKEN_ROWS_MAX_KEYS", bound):
+        np.testing.assert_allclose(np.asarray(step(), np.float64), expected, **F32)
+        traced = []
+        # Stand-ins: the token rows answer zeros, so the route the step ran shows in its output.
+        with mock.patch.object(attention, "prefill_attention_cpu",
+                               lambda q, *a, **k: (traced.append("rows"), jnp.zeros_like(q))[1]), \
+             mock.patch.object(attention, "prefill_attention",
+                               lambda *a, **k: (traced.append("tiled"), tiled(*a, **k))[1]):
+          out = np.asarray(step())
+          self.assertEqual(traced, routes, bound)
+          self.assertEqual(bool(np.all(out[2:9] == 0)), kernel_rows, bound)
+          np.testing.assert_allclose(out[:2], expected[:2], **F32)   # decode rows: the kernel
+          traced.clear()
+          step("xla")
+          self.assertEqual(traced, ["tiled"])   # "xla" never takes the kernel
 
   def test_quantized_pages_stay_on_xla(self):
     inp = testing.random_paged_inputs(6, [9, 4], page_size=4)

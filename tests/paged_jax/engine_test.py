@@ -434,6 +434,42 @@ class WarmupTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "program_store with a mesh"):
       Engine(PARAMS, CFG, program_store=store, mesh=object())
 
+  def test_an_edited_source_is_compiled_again_not_loaded(self):
+    # The store's identity digests the source that traces the programs: after an edit (a
+    # different digest) a new engine compiles afresh instead of loading the old programs.
+    from unittest import mock
+    from paged_jax import program_store
+    store, new, _ = self._store_engines(2)
+    prompt, sp = [5, 6, 7], SamplingParams(max_tokens=3)
+    new().generate([prompt], sp)
+    with mock.patch.object(program_store, "source_digest", lambda: "edited"):
+      edited = new()
+      edited.generate([prompt], sp)
+    m = edited.metrics()
+    self.assertEqual((m["programs_compiled"], m["programs_loaded"]), (2, 0))
+
+  def test_source_digest_follows_source_files_only(self):
+    import os
+    import pathlib
+    import tempfile
+    from paged_jax import program_store
+    with tempfile.TemporaryDirectory() as d:
+      root = os.path.join(d, "pkg")
+      os.makedirs(os.path.join(root, "sub"))
+      write = lambda name, text: pathlib.Path(root, name).write_text(text)
+      write("a.py", "x = 1\n")
+      write("sub/k.cc", "int f();\n")
+      digest = lambda: program_store.source_digest.__wrapped__((root,))
+      before = digest()
+      write("notes.md", "not source")
+      self.assertEqual(digest(), before)
+      for name, text in (("sub/k.cc", "int g();\n"), ("a.py", "x = 2\n")):
+        write(name, text)
+        self.assertNotEqual(digest(), before)
+        before = digest()
+    self.assertEqual(program_store.source_digest(), program_store.source_digest())
+    self.assertRegex(program_store.source_digest(), "^[0-9a-f]{16}$")
+
   def test_programs_calling_the_cpu_kernel_store_and_load(self):
     # The decode programs hold the C++ kernel's custom call: stored, loaded back (the engine
     # registers the kernel before any load), they give the dense model's tokens.
