@@ -98,6 +98,21 @@ def pages_to_dense(pages, block_tables, seq_lens):
   return dense
 
 
+def step_kv(inp: PagedInputs):
+  """This step's K/V (each row's last q_len keys) read back from the pages, as the model writes
+  them there before attention: (k, v), each [num_tokens, num_kv_heads, head_dim] in q's dtype;
+  padding tokens zero."""
+  k = pages_to_dense(inp.k_pages, inp.block_tables, inp.seq_lens)
+  v = pages_to_dense(inp.v_pages, inp.block_tables, inp.seq_lens)
+  cu, lens = np.asarray(inp.cu_q_lens), np.asarray(inp.seq_lens)
+  shape = (inp.q.shape[0],) + k.shape[2:]
+  k_new, v_new = np.zeros(shape, k.dtype), np.zeros(shape, v.dtype)
+  for b, (a, e) in enumerate(zip(cu[:-1], cu[1:])):
+    k_new[a:e] = k[b, lens[b] - (e - a):lens[b]]
+    v_new[a:e] = v[b, lens[b] - (e - a):lens[b]]
+  return jnp.asarray(k_new, inp.q.dtype), jnp.asarray(v_new, inp.q.dtype)
+
+
 def naive_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
                           scale: float | None = None, sliding_window: int | None = None,
                           soft_cap: float | None = None) -> np.ndarray:

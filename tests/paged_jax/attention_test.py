@@ -142,19 +142,6 @@ class PagedAttentionTest(parameterized.TestCase):
     chex.assert_trees_all_close(merged_lse, lse_b, atol=1e-6)
 
 
-def _new_kv(inp):
-  """This step's K/V (the last q_len keys of every row), read from the pages: [num_tokens, K, D]."""
-  k = testing.pages_to_dense(inp.k_pages, inp.block_tables, inp.seq_lens)
-  v = testing.pages_to_dense(inp.v_pages, inp.block_tables, inp.seq_lens)
-  cu, lens = np.asarray(inp.cu_q_lens), np.asarray(inp.seq_lens)
-  shape = (inp.q.shape[0],) + k.shape[2:]
-  k_new, v_new = np.zeros(shape, k.dtype), np.zeros(shape, v.dtype)
-  for b, (a, e) in enumerate(zip(cu[:-1], cu[1:])):
-    k_new[a:e] = k[b, lens[b] - (e - a):lens[b]]
-    v_new[a:e] = v[b, lens[b] - (e - a):lens[b]]
-  return jnp.asarray(k_new, inp.q.dtype), jnp.asarray(v_new, inp.q.dtype)
-
-
 class PrefillAttentionTest(parameterized.TestCase):
   """The engine's XLA split: prefill chunks over own K/V + cached prefix, decode rows apart."""
 
@@ -163,7 +150,7 @@ class PrefillAttentionTest(parameterized.TestCase):
     window, cap = window_cap
     lens = [7, 1, 13, 4, 0, 9]   # rows straddle tiles; one empty row
     inp = testing.random_paged_inputs(3, lens, q_lens=lens, page_size=4, pad_tokens=2)
-    k, v = _new_kv(inp)
+    k, v = testing.step_kv(inp)
     kw = dict(sliding_window=window, soft_cap=cap, scale=0.4)
     o, lse = attention.causal_ragged_attention(inp.q, k, v, inp.cu_q_lens, max_q_len=16,
                                                tile_tokens=tile, **kw)
@@ -193,7 +180,7 @@ class PrefillAttentionTest(parameterized.TestCase):
     q_lens = [5, 6, 1, 4]      # fresh, after a 7-token prefix, one token after 8, fresh
     inp = testing.random_paged_inputs(6, seq_lens, q_lens=q_lens, page_size=4, dtype=dtype,
                                       pad_tokens=3)
-    k, v = _new_kv(inp)
+    k, v = testing.step_kv(inp)
     kw = dict(sliding_window=6, scale=0.3)
     out = attention.prefill_attention(inp.q, k, v, *inp[1:], max_q_len=8, tile_tokens=4, **kw)
     chex.assert_trees_all_close(out.astype(jnp.float32),
@@ -205,7 +192,7 @@ class PrefillAttentionTest(parameterized.TestCase):
     seq_lens = [9, 1, 17][:num_decode] + [6, 11, 0]
     q_lens = [1, 1, 1][:num_decode] + [6, 3, 0]
     inp = testing.random_paged_inputs(8, seq_lens, q_lens=q_lens, page_size=4, pad_tokens=1)
-    k, v = _new_kv(inp)
+    k, v = testing.step_kv(inp)
     out = attention.step_attention(inp.q, k, v, *inp[1:], num_decode=num_decode, max_q_len=8,
                                    impl="xla", soft_cap=3.0)
     chex.assert_trees_all_close(out, _reference(*inp, soft_cap=3.0), **TOL[jnp.float32])
@@ -237,7 +224,7 @@ class PrefillEdgeTest(parameterized.TestCase):
 
   def test_bf16_in_bf16_out(self):
     inp = testing.random_paged_inputs(3, [5, 9], q_lens=[5, 2], page_size=4, dtype=jnp.bfloat16)
-    k, v = _new_kv(inp)
+    k, v = testing.step_kv(inp)
     o, lse = attention.causal_ragged_attention(inp.q, k, v, inp.cu_q_lens, max_q_len=5)
     self.assertEqual((o.dtype, lse.dtype), (jnp.bfloat16, jnp.float32))
     self.assertEqual(attention.prefill_attention(inp.q, k, v, *inp[1:], max_q_len=5).dtype,
@@ -261,7 +248,7 @@ class PrefillEdgeTest(parameterized.TestCase):
     # one tile more per row would push the last row past them); prefixes of exactly one key
     # (the smallest that must be read).
     inp = testing.random_paged_inputs(2, seq_lens, q_lens=q_lens, page_size=4)
-    k, v = _new_kv(inp)
+    k, v = testing.step_kv(inp)
     out = attention.prefill_attention(inp.q, k, v, *inp[1:], max_q_len=max(q_lens), scale=0.3)
     chex.assert_trees_all_close(out, _reference(*inp, scale=0.3), **TOL[jnp.float32])
     if seq_lens == q_lens:   # no prefix: the causal part alone
@@ -272,7 +259,7 @@ class PrefillEdgeTest(parameterized.TestCase):
   def test_more_decode_rows_than_heads(self):
     # 5 decode rows, then a chunk of 3: num_decode exceeds the 4 query heads.
     inp = testing.random_paged_inputs(5, [3, 7, 1, 9, 4, 6], q_lens=[1] * 5 + [3], page_size=4)
-    k, v = _new_kv(inp)
+    k, v = testing.step_kv(inp)
     out = attention.step_attention(inp.q, k, v, *inp[1:], num_decode=5, max_q_len=3, impl="xla")
     chex.assert_trees_all_close(out, _reference(*inp), **TOL[jnp.float32])
 
@@ -283,7 +270,7 @@ class PrefillEdgeTest(parameterized.TestCase):
        "sequence 0: q_len=3 exceeds max_q_len=2 (its queries past the bound would be dropped)"))
   def test_causal_checks_its_options(self, kw, message):
     inp = testing.random_paged_inputs(1, [3, 2], q_lens=[3, 2], page_size=4)
-    k, v = _new_kv(inp)
+    k, v = testing.step_kv(inp)
     kw = dict(dict(max_q_len=3), **kw)
     with self.assertRaisesRegex(ValueError, f"^{re.escape(message)}$"):
       attention.causal_ragged_attention(inp.q, k, v, inp.cu_q_lens, **kw)
@@ -298,7 +285,7 @@ class StepDispatchTest(parameterized.TestCase):
     super().setUp()
     self.inp = testing.random_paged_inputs(8, [9, 1, 6, 11], q_lens=[1, 1, 6, 3], page_size=4,
                                            pad_tokens=1)
-    self.k, self.v = _new_kv(self.inp)
+    self.k, self.v = testing.step_kv(self.inp)
     self.kw = dict(scale=0.3, sliding_window=5, soft_cap=3.0)
 
   def _step(self, **kw):
@@ -350,7 +337,7 @@ class StepDispatchTest(parameterized.TestCase):
 
   def test_decode_only_asks_the_kernel_for_one_query_rows(self):
     inp = testing.random_paged_inputs(8, [9, 1], page_size=4)
-    k, v = _new_kv(inp)
+    k, v = testing.step_kv(inp)
     with mock.patch.object(attention, "paged_attention",
                            lambda q, *a, **kw: (self.assertEqual(kw["max_q_len"], 1), q)[1]):
       attention.step_attention(inp.q, k, v, *inp[1:], num_decode=2, max_q_len=0,

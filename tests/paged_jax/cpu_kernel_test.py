@@ -26,18 +26,6 @@ def setUpModule():
     raise AssertionError(f"the CPU kernel does not build here: {reason}")
 
 
-def _step_kv(inp):
-  """This step's K/V (each row's last q_len keys) read back from the pages, as the model writes
-  them there before attention: [num_tokens, num_kv_heads, head_dim] each."""
-  dense = [testing.pages_to_dense(p, inp.block_tables, inp.seq_lens) for p in inp[1:3]]
-  cu, lens = np.asarray(inp.cu_q_lens), np.asarray(inp.seq_lens)
-  out = [np.zeros((inp.q.shape[0],) + d.shape[2:], d.dtype) for d in dense]
-  for b, (a, e) in enumerate(zip(cu[:-1], cu[1:])):
-    for o, d in zip(out, dense):
-      o[a:e] = d[b, lens[b] - (e - a):lens[b]]
-  return [jnp.asarray(o) for o in out]
-
-
 class ExactnessTest(parameterized.TestCase):
 
   @parameterized.product(window=(None, 1, 3, 4, 5, 100), threads=(0, 1))
@@ -190,7 +178,7 @@ class DispatchTest(absltest.TestCase):
     self.assertEqual(inp.block_tables.shape[1] * inp.k_pages.shape[1], 12)
     self.assertEqual(float(attention.token_row_keys(inp.seq_lens[2:], inp.cu_q_lens[2:] - 2)),
                      33)
-    k, v = _step_kv(inp)
+    k, v = testing.step_kv(inp)
     kw = dict(num_decode=2, max_q_len=5, sliding_window=6, soft_cap=2.5)
     expected = testing.naive_paged_attention(*inp, sliding_window=6, soft_cap=2.5)
     step = lambda impl="cpu": attention.step_attention(inp.q, k, v, *inp[1:], impl=impl, **kw)
