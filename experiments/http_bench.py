@@ -24,7 +24,8 @@ same scheduler knobs (--max_num_seqs, --max_num_batched_tokens, --page_size, --k
 Before the timed rates each server gets --warmup_requests of another draw at once and, with
 --warmup_sweep, every rate once on other draws (compiling, allocating), untimed. Our rows count
 the step programs first run during the rate (`new_programs`) and those compiled, or loaded from
-the program store, while clients waited (`programs_on_demand`: not by the server's --warmup).
+the program store, while clients waited (`programs_on_demand`: not by the server's --warmup;
+with the seconds they took and, from the server's log, each one's key and origin).
 For our server the run then reads /metrics after each rate and reports what it still holds (KV
 pages in use, swap copies, open and queued requests, asyncio tasks above the idle server's),
 which must all be 0. Loopback only; bounded by --num_requests and --timeout.
@@ -187,7 +188,7 @@ def server_state(base: str) -> dict:
   import httpx
   names = ("kv_pages_in_use", "num_swap_copies", "num_open_requests", "num_requests_running",
            "num_requests_waiting", "server_asyncio_tasks", "num_programs",
-           "num_programs_on_demand")
+           "num_programs_on_demand", "programs_on_demand_seconds")
   state = dict.fromkeys(names, 0.0)
   for line in httpx.get(base + "/metrics").text.splitlines():
     name = line.split("{")[0].removeprefix("paged_jax:")
@@ -201,7 +202,7 @@ def leftovers(base: str, idle_tasks: float) -> dict:
   leaked (the tasks as a count above those of the idle server, `idle_tasks`)."""
   state = server_state(base)
   state["tasks_over_idle"] = state.pop("server_asyncio_tasks") - idle_tasks
-  del state["num_programs"], state["num_programs_on_demand"]
+  del state["num_programs"], state["num_programs_on_demand"], state["programs_on_demand_seconds"]
   return state
 
 
@@ -302,13 +303,16 @@ def _summary(row: dict) -> str:
           f"{ms(row['ttft_s'])} ms, TPOT {ms(row['tpot_s'])} ms, e2e {ms(row['e2e_s'])} ms, "
           f"{row['output_tokens_per_s']:.1f} tok/s"
           + (f"; {row['new_programs']:g} new programs, {row['programs_on_demand']:g} of them "
-             f"compiled or loaded while clients waited" if "new_programs" in row else "")
+             f"compiled or loaded while clients waited ({row['programs_on_demand_s']:.1f} s: "
+             f"{'; '.join(row['on_demand_log']) or '-'})" if "new_programs" in row else "")
           + (f"; server holds {row['server_holds']}" if "server_holds" in row else ""))
 
 
 def bench_one(cfg: HttpBenchConfig, url: str, base: str | None, name: str, vocab: int,
-              progress=print) -> list[dict]:
-  """The warm-up and every rate against the server at `url`; `base` (ours) for its /metrics."""
+              progress=print, server_log=None) -> list[dict]:
+  """The warm-up and every rate against the server at `url`; `base` (ours) for its /metrics,
+  `server_log` (ours: a callable returning what it printed so far) for the programs it met on
+  demand."""
   import httpx
   model = cfg.model_name or httpx.get(url + "/models").json()["data"][0]["id"]
   idle_tasks = server_state(base)["server_asyncio_tasks"] if base else 0.0
@@ -325,7 +329,8 @@ def bench_one(cfg: HttpBenchConfig, url: str, base: str | None, name: str, vocab
       progress(f"{name} warm-up sweep: {_summary(dict(row, server=name))}")
   def programs():
     state = server_state(base)
-    return state["num_programs"], state["num_programs_on_demand"]
+    return (state["num_programs"], state["num_programs_on_demand"],
+            state["programs_on_demand_seconds"], len(server_log()) if server_log else 0)
   rows = []
   for i, rate in enumerate(cfg.rates):
     reqs = requests_for(cfg, cfg.seed + i, vocab)
@@ -336,6 +341,11 @@ def bench_one(cfg: HttpBenchConfig, url: str, base: str | None, name: str, vocab
       after = programs()
       row["new_programs"] = after[0] - before[0]
       row["programs_on_demand"] = after[1] - before[1]
+      row["programs_on_demand_s"] = after[2] - before[2]
+      # which ones, loaded or compiled, and how long each took (the engine's log lines)
+      row["on_demand_log"] = ([ln.split("step program ", 1)[1].strip() for ln in
+                               server_log()[before[3]:after[3]].splitlines()
+                               if "on demand in" in ln] if server_log else [])
       # the server's next step frees what the last disconnects held
       deadline = time.monotonic() + 30
       while any(leftovers(base, idle_tasks).values()) and time.monotonic() < deadline:
@@ -393,8 +403,9 @@ def run(cfg: HttpBenchConfig, progress=print) -> list[dict]:
     for name in cfg.servers:
       server = launch(cfg, name, model_dir)
       try:
-        rows += bench_one(cfg, server.url, server.base if name == "paged_jax" else None, name,
-                          vocab, progress)
+        ours = name == "paged_jax"
+        rows += bench_one(cfg, server.url, server.base if ours else None, name, vocab, progress,
+                          (lambda: server.output) if ours else None)
       finally:
         server.stop()
   if cfg.results_dir:

@@ -90,6 +90,7 @@ class EngineStats:
   scrubbed_pages: int = 0
   evicted_programs: int = 0     # compiled programs dropped to stay under the map limit
   programs_on_demand: int = 0   # step programs compiled or loaded while a step waited for them
+  programs_on_demand_s: float = 0.0   # seconds steps waited for them (with a program store)
   validate_s: float = 0.0       # host time in `batching.validate_step` (part of host_s)
   prefill_s: float = 0.0
   decode_s: float = 0.0
@@ -539,9 +540,14 @@ class Engine(EngineLoop):
     if compiled is not None:
       self._compiled[key] = compiled   # the most recently used last (`_bound_maps`)
     elif self._store is not None:   # load it, or compile and keep it
-      compiled = self._program(key, fn, args, kw)[0]
+      t = time.perf_counter()
+      compiled, loaded = self._program(key, fn, args, kw)
+      waited = time.perf_counter() - t
       self._new_programs = True
       self.stats.programs_on_demand += 1
+      self.stats.programs_on_demand_s += waited
+      logging.info("step program %s %s on demand in %.2f s", tuple(key),
+                   "loaded" if loaded else "compiled", waited)
     elif key not in self._jit_held:   # jit compiles it below (again, after `_bound_maps`)
       self._jit_held.add(key)
       self._new_programs = True
@@ -578,7 +584,7 @@ class Engine(EngineLoop):
     sc = self.scheduler.config
     return batching.ProgramLimits(sc.max_num_seqs, sc.max_num_batched_tokens,
                                   self.cfg.max_position, self.page_size, sc.steps_per_sync,
-                                  self.fixed_width)
+                                  self.fixed_width, sc.max_prefill_rows)
 
   def warmup_programs(self, scope: str = "one_user") -> list[batching.ProgramKey]:
     """The programs `warmup(scope)` compiles (n=1, no beams or logprobs). "one_user":
@@ -800,7 +806,8 @@ class Engine(EngineLoop):
             "swap_copies": len(self._swap),
             "prefix_queries_tokens": bm.prefix_queries_tokens,
             "prefix_hits_tokens": bm.prefix_hits_tokens, "preemptions": self.stats.preemptions,
-            "programs": len(self.programs), "programs_on_demand": self.stats.programs_on_demand}
+            "programs": len(self.programs), "programs_on_demand": self.stats.programs_on_demand,
+            "programs_on_demand_s": self.stats.programs_on_demand_s}
 
 
 def _token_ids(ids: Iterable[int], vocab_size: int, what: str) -> list[int]:

@@ -72,6 +72,7 @@ class ServeConfig:
   max_num_seqs: int = 64
   max_num_batched_tokens: int = 2048
   steps_per_sync: int = 4
+  max_prefill_rows: int | None = None
   preemption_mode: str = "recompute"
   reservation: str = "paged"
   enable_prefix_caching: bool = True
@@ -211,6 +212,7 @@ def make_engine(cfg: ServeConfig, params, mcfg, tokenizer, eos):
   sched = SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
                           max_num_batched_tokens=cfg.max_num_batched_tokens,
                           steps_per_sync=cfg.steps_per_sync, preemption_mode=cfg.preemption_mode,
+                          max_prefill_rows=cfg.max_prefill_rows,
                           reservation=cfg.reservation, reservation_tokens=reservation_tokens)
   kw = dict(cache=cache, scheduler=sched, impl=cfg.impl, seed=cfg.seed, tokenizer=tokenizer,
             eos_token_ids=eos, validate_tables=cfg.validate_tables,
@@ -389,6 +391,7 @@ def report(r: dict) -> str:
 
 ENGINE_FIELDS = ("page_size", "num_pages", "kv_cache_bytes", "kv_cache_fraction", "kv_dtype",
                  "kv_scales", "max_num_seqs", "max_num_batched_tokens", "steps_per_sync",
+                 "max_prefill_rows",
                  "preemption_mode", "reservation", "enable_prefix_caching", "impl", "dtype",
                  "matmul", "seed", "warmup", "validate_tables", "scrub_freed_pages", "mesh",
                  "scan_layers")
@@ -443,6 +446,9 @@ def define_engine_flags():
   flags.DEFINE_integer("max_num_seqs", 64, "Most sequences per step.")
   flags.DEFINE_integer("max_num_batched_tokens", 2048, "Token budget per step.")
   flags.DEFINE_integer("steps_per_sync", 4, "Decode steps per host sync.")
+  flags.DEFINE_integer("max_prefill_rows", None, "Most prompts prefilled in one step (default: "
+                       "no bound; 1 with --warmup=one_prompt: no step waits for a compile).",
+                       lower_bound=1)
   flags.DEFINE_enum("preemption_mode", "recompute", ["recompute", "swap"], "Preemption.")
   flags.DEFINE_enum("reservation", "paged", ["paged", "max", "pow2", "oracle"],
                     "KV allocation: paged, or a contiguous baseline of the paper driving "

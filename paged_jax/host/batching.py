@@ -227,6 +227,7 @@ class ProgramLimits:
   page_size: int
   steps_per_sync: int = 1
   fixed_width: bool = False
+  max_prefill_rows: int | None = None   # the scheduler's bound on prefill chunks per step
 
 
 def _classes(bucket, upper: int) -> dict[int, tuple[int, int]]:
@@ -248,7 +249,8 @@ def reachable_programs(limits: ProgramLimits, max_prompts: int | None = None) ->
   decode rows; every decode program is kept). 1 is what a server under a light load meets:
   requests arrive one at a time and join the running ones."""
   S, B = limits.max_num_seqs, limits.max_num_batched_tokens
-  prompts_cap = min(S, B) if max_prompts is None else min(S, B, max_prompts)
+  caps = [c for c in (max_prompts, limits.max_prefill_rows) if c is not None]
+  prompts_cap = min(S, B, *caps)
   longest_chunk = min(B, limits.max_position - 1)
   max_pages = -(-limits.max_position // limits.page_size)
   widths = sorted({table_width(n, max_pages, limits.fixed_width) for n in range(1, max_pages + 1)})

@@ -55,6 +55,10 @@ class SchedulerConfig:
       page per running sequence beyond reservation_tokens / page_size) so the reservation,
       not the pool, is what binds (the throughput-vs-rate experiment does).
     reservation_tokens: the baseline's slot space; None = the pool's slots.
+    max_prefill_rows: most prefill chunks (one per prompt) in a step; None = as many as
+      max_num_seqs and the token budget allow. 1 keeps every step among the programs of
+      `Engine.warmup("one_prompt")`: a server whose clients send two requests at once starts
+      the second a step later instead of waiting seconds for a new program to compile.
   """
   max_num_seqs: int = 64
   max_num_batched_tokens: int = 2048
@@ -64,6 +68,7 @@ class SchedulerConfig:
   watermark: float = 0.01
   reservation: str = "paged"
   reservation_tokens: int | None = None
+  max_prefill_rows: int | None = None
 
   def __post_init__(self):
     if self.preemption_mode not in PREEMPTION_MODES:
@@ -72,6 +77,10 @@ class SchedulerConfig:
       raise ValueError(f"reservation={self.reservation!r} is not one of {RESERVATIONS}")
     if self.reservation_tokens is not None and self.reservation_tokens < 1:
       raise ValueError(f"reservation_tokens={self.reservation_tokens} must be >= 1")
+    if self.max_prefill_rows is not None and (
+        isinstance(self.max_prefill_rows, bool) or not isinstance(self.max_prefill_rows, int)
+        or self.max_prefill_rows < 1):
+      raise ValueError(f"max_prefill_rows={self.max_prefill_rows!r} must be None or an int >= 1")
     for name in ("max_num_seqs", "max_num_batched_tokens", "steps_per_sync"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
@@ -446,10 +455,15 @@ class Scheduler:
       if only is not None and g is not only:
         continue
       for s in g.seqs:
-        if budget <= 0 or not self._in_prefill(s):
+        if budget <= 0 or not self._in_prefill(s) or self._prefill_rows_full(plan):
           continue
         budget -= self._add_chunk(plan, g, s, budget)
     return budget
+
+  def _prefill_rows_full(self, plan: StepPlan) -> bool:
+    """Whether `plan` holds `max_prefill_rows` prefill chunks already."""
+    cap = self.config.max_prefill_rows
+    return cap is not None and len(plan.rows) - len(plan.decode_rows) >= cap
 
   def _add_chunk(self, plan: StepPlan, g: SequenceGroup, s: Sequence, budget: int) -> int:
     """The next prefill chunk of s within the budget; returns its token count."""
@@ -467,7 +481,7 @@ class Scheduler:
   def _admit(self, plan: StepPlan, budget: int) -> None:
     cfg = self.config
     watermark = int(cfg.watermark * (self.bm.num_pages - 1))
-    while self.waiting and budget > 0:
+    while self.waiting and budget > 0 and not self._prefill_rows_full(plan):
       g = self.waiting[0]
       if g.suspect and self.running:
         break   # a request whose step failed runs alone (see Engine: fault handling)
@@ -511,7 +525,7 @@ class Scheduler:
         self._next_order += 1
       self._insert(self.running, g)
       for s in g.seqs:   # (a prompt cached but for its last token is a 1-token chunk)
-        if budget > 0:
+        if budget > 0 and not self._prefill_rows_full(plan):
           budget -= self._add_chunk(plan, g, s, budget)
 
   @staticmethod

@@ -69,6 +69,8 @@ class Metrics:
                       "loaded from the program store, on first use).")
     self.programs_on_demand = g("num_programs_on_demand", "Step programs compiled, or loaded "
                                 "from the program store, while a step waited (not by warmup).")
+    self.programs_on_demand_s = g("programs_on_demand_seconds", "Seconds steps waited for "
+                                  "programs compiled or loaded on demand (with a program store).")
     self.asyncio_tasks = g("server_asyncio_tasks", "asyncio tasks in the server's event loop "
                            "(request handlers, streams), counted at this scrape.")
     self.prompt_tokens = c("prompt_tokens", "Prompt tokens of finished requests.")
@@ -94,6 +96,7 @@ class Metrics:
     self.swap_copies.set(gauges["swap_copies"])
     self.programs.set(gauges["programs"])
     self.programs_on_demand.set(gauges["programs_on_demand"])
+    self.programs_on_demand_s.set(gauges["programs_on_demand_s"])
     self.prefix_hit_rate.set(gauges["prefix_hits_tokens"]
                              / max(1, gauges["prefix_queries_tokens"]))
     self.open_requests.set(open_requests)

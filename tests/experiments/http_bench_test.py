@@ -23,7 +23,8 @@ class HttpBenchTest(absltest.TestCase):
     with tempfile.TemporaryDirectory() as tmp:
       cfg = http_bench.HttpBenchConfig(
           rates=(math.inf,), num_requests=8, max_total=64, disconnect=0.5, seed=3,
-          server_args=("--num_pages=64", "--program_store=", "--compilation_cache="),
+          server_args=("--num_pages=64", f"--program_store={tmp}/store",
+                       "--compilation_cache="),
           results_dir=tmp)
       lines = []
       (row,) = http_bench.run(cfg, progress=lines.append)
@@ -40,6 +41,14 @@ class HttpBenchTest(absltest.TestCase):
       with open(os.path.join(tmp, "http_bench.jsonl")) as f:
         self.assertEqual(json.loads(f.readline())["completed"], 8 - left)
       self.assertIn("paged_jax rate inf/s", lines[0])
+      # an empty store and no --warmup: every program was compiled while clients waited, each
+      # named in the row with its origin and time from the server's log
+      self.assertGreater(row["programs_on_demand"], 0)
+      self.assertEqual(row["programs_on_demand"], row["new_programs"])
+      self.assertLen(row["on_demand_log"], row["programs_on_demand"])
+      self.assertGreater(row["programs_on_demand_s"], 0.0)
+      for entry in row["on_demand_log"]:
+        self.assertRegex(entry, r"^\('(step|round)', .*\) compiled on demand in [0-9.]+ s$")
 
   @pytest.mark.slow
   @absltest.skipUnless(os.environ.get("PAGED_JAX_VLLM_PYTHON"),

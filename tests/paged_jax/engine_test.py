@@ -321,6 +321,7 @@ class WarmupTest(absltest.TestCase):
       watching = False
       # a step waited for every program without warmup (jit compiled it), for none with it
       self.assertEqual(e.metrics()["programs_on_demand"], 0 if warm else e.metrics()["programs"])
+      self.assertEqual(e.metrics()["programs_on_demand_s"], 0.0)   # timed with a store only
     self.assertGreater(e.metrics()["cached_prompt_tokens"], 0)
     self.assertEqual(e.metrics()["programs_not_warmed"], 0)
     self.assertEqual(e.metrics()["programs"], 3)   # prefill of 64 and of 128 tokens, a round
@@ -421,6 +422,7 @@ class WarmupTest(absltest.TestCase):
     m = second.metrics()
     self.assertEqual((m["programs_compiled"], m["programs_loaded"]), (0, 2))
     self.assertEqual(m["programs_on_demand"], 2)   # loaded while a step waited
+    self.assertGreater(m["programs_on_demand_s"], 0.0)   # and how long it waited
     self.assertEqual([n for n in events if "compile" in n or "trace" in n], [])
     # Near the map limit a program loaded on demand counts too: the prefill's program is
     # dropped after the round's is loaded (a simulated process at 90 of 100 maps).

@@ -38,6 +38,20 @@ class ServeTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "warmup='yes' is not one of"):
       serve.run(serve.ServeConfig(prompts=("a",), warmup="yes"), MODEL)
 
+  def test_one_prefill_row_a_step_stays_in_one_prompt_warmup(self):
+    # Two prompts at once (40 and 30 tokens) would make a step outside what `--warmup=one_prompt`
+    # compiles (batching_test: their longest chunk buckets below their token bucket); under
+    # max_prefill_rows=1, passed on to the scheduler, they prefill a step apart, inside it.
+    texts = (" ".join("abcdefgh" * 5), " ".join("pqrst" * 6))
+    cfg = serve.ServeConfig(prompts=texts, page_size=4, num_pages=64, max_num_seqs=2,
+                            max_num_batched_tokens=128, max_prefill_rows=1, warmup="one_prompt",
+                            progress=False)
+    r = serve.run(cfg, MODEL)
+    self.assertLen(r["completions"], 2)
+    self.assertTrue(all(c["text"] for c in r["completions"]))
+    self.assertEqual(r["programs_not_warmed"], 0)
+    self.assertEqual(r["programs_on_demand"], 0)
+
   def test_jsonl_requests_with_their_own_settings(self):
     path = os.path.join(tempfile.mkdtemp(), "requests.jsonl")
     with open(path, "w") as f:

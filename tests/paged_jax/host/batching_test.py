@@ -141,6 +141,20 @@ class ProgramsTest(absltest.TestCase):
     self.assertEqual([(k.num_prefill_tokens, k.max_q_len) for k in pair], [(128, 64)])
     self.assertEqual(pair & light, set())
     self.assertLess(len(light), len(batching.reachable_programs(limits)))   # 15 of 36 here
+    # The scheduler's max_prefill_rows=1 makes `light` every program its limits reach, and
+    # prompts that arrive together (that pair, and a long one chunked) run one a step inside it.
+    capped = Engine(None, CFG, cache=CacheConfig(page_size=4, num_pages=600),
+                    scheduler=SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=256,
+                                              steps_per_sync=3, max_prefill_rows=1),
+                    steps=testing.FakeSteps().functions())
+    self.assertEqual(set(batching.reachable_programs(capped.program_limits)), light)
+    for together in (([1] * 40, [2] * 30), ([3] * 290, [4] * 7)):
+      for p in together:
+        capped.add_request(p, SamplingParams(max_tokens=2, ignore_eos=True))
+      while capped.has_unfinished():
+        capped.step()
+    self.assertLessEqual(set(capped.programs), light)
+    self.assertEqual({k.num_prefill_rows for k in capped.programs}, {0, batching.MIN_PREFILL_ROWS})
 
   def test_a_mixed_step_samples_one_row_per_row(self):
     # 5 decode rows (padded to 8) and 4 prompts (4 rows) all sample: 9 sample rows pad to the

@@ -126,6 +126,31 @@ class SchedulerTest(parameterized.TestCase):
     final = self.run_all(e)
     self.assertEqual(final["req-3"].outputs[0].token_ids, [311, 312])
 
+  def test_max_prefill_rows_bounds_the_chunks_of_a_step(self):
+    # Three prompts arrive together. Unbounded they prefill in one step; with one prefill row a
+    # step, one at a time, each later one beside the decode rows of those before it, in FIFO
+    # order, and a prompt still prefilling (chunked by the budget) keeps the row from the next
+    # one. The tokens are the same either way.
+    events, tokens = {}, {}
+    for cap in (None, 1, 2):
+      e = self.make(max_num_seqs=4, max_num_batched_tokens=8, steps_per_sync=1,
+                    max_prefill_rows=cap)
+      for p in prompts(2, 9, 3):
+        e.add_request(p, SamplingParams(max_tokens=3))
+      final = self.run_all(e)
+      tokens[cap] = [final[f"req-{r}"].outputs[0].token_ids for r in range(3)]
+      events[cap] = self.fake.events[:4]
+    self.assertEqual(tokens[1], tokens[None])
+    self.assertEqual(tokens[2], tokens[None])
+    self.assertEqual(events[None][0], ("step", [], [(0, 0, 2), (1, 0, 6)]))
+    self.assertEqual(events[1], [
+        ("step", [], [(0, 0, 2)]),
+        ("step", [0], [(1, 0, 7)]),
+        ("step", [0], [(1, 7, 9)]),
+        ("step", [1], [(2, 0, 3)])])   # request 0 has its 3 tokens
+    self.assertEqual(events[2][:2], [("step", [], [(0, 0, 2), (1, 0, 6)]),
+                                     ("step", [0], [(1, 6, 9), (2, 0, 3)])])
+
   def test_admission_waits_for_pages_and_drops_nothing(self):
     # 6 usable pages of 4 tokens; a 6-token prompt takes 2 at admission (3 by its end).
     e = self.make(num_pages=7, steps_per_sync=2)
@@ -441,13 +466,16 @@ class ConfigTest(absltest.TestCase):
         (dict(swap_space_pages=-1), r"^swap_space_pages=-1 must be >= 0$"),
         (dict(watermark=1.0), r"^watermark=1.0 must be in \[0, 1\)$"),
         (dict(watermark=1.5), r"^watermark=1.5 must be in \[0, 1\)$"),
-        (dict(watermark=-0.1), r"^watermark=-0.1 must be in \[0, 1\)$")):
+        (dict(watermark=-0.1), r"^watermark=-0.1 must be in \[0, 1\)$"),
+        (dict(max_prefill_rows=0), r"^max_prefill_rows=0 must be None or an int >= 1$"),
+        (dict(max_prefill_rows=1.5), r"^max_prefill_rows=1.5 must be None or an int >= 1$"),
+        (dict(max_prefill_rows=True), r"^max_prefill_rows=True must be None or an int >= 1$")):
       with self.subTest(**kw), self.assertRaisesRegex(ValueError, message):
         SchedulerConfig(**kw)
 
   def test_boundary_values_are_accepted(self):
     cfg = SchedulerConfig(reservation_tokens=1, swap_space_pages=0, watermark=0.0, max_num_seqs=1,
-                          max_num_batched_tokens=1, steps_per_sync=1)
+                          max_num_batched_tokens=1, steps_per_sync=1, max_prefill_rows=1)
     self.assertEqual((cfg.reservation_tokens, cfg.swap_space_pages, cfg.watermark), (1, 0, 0.0))
 
   def test_scheduler_defaults_from_the_pool(self):

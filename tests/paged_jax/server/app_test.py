@@ -48,7 +48,8 @@ class FakeEngine:
     return {"waiting": self.waiting, "running": len(self.requests), "swapped": 0,
             "pages_in_use": len(self.requests), "pages_cached_idle": 0, "pages_usable": 8,
             "swap_copies": 0, "prefix_queries_tokens": 0, "prefix_hits_tokens": 0,
-            "preemptions": 0, "programs": 1, "programs_on_demand": 1}
+            "preemptions": 0, "programs": 1, "programs_on_demand": 1,
+            "programs_on_demand_s": 0.0}
 
 
 def _client(engine, **kw):

@@ -212,6 +212,8 @@ class ServerTest(absltest.TestCase):
     # no --warmup: every program was compiled while a request waited
     self.assertEqual(_metric(self.server.base, "num_programs_on_demand"),
                      _metric(self.server.base, "num_programs"))
+    # timed only with a program store (here jit compiles inside the step's own call)
+    self.assertEqual(_metric(self.server.base, "programs_on_demand_seconds"), 0.0)
     self.assertGreaterEqual(_metric(self.server.base, "server_asyncio_tasks"), 1)   # this scrape
 
   def _aborted(self) -> float:
