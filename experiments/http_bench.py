@@ -26,6 +26,10 @@ Before the timed rates each server gets --warmup_requests of another draw at onc
 the step programs first run during the rate (`new_programs`) and those compiled, or loaded from
 the program store, while clients waited (`programs_on_demand`: not by the server's --warmup;
 with the seconds they took and, from the server's log, each one's key and origin).
+Our rows also split the server's mean TTFT into its queue time (arrival to the request's first
+step: admission, and the step in flight when it came) and its prefill (that step's start to the
+first token), from its /metrics histograms; the client's mean TTFT minus the server's is the
+HTTP path's share (with --disconnect the server's means include the aborted requests).
 For our server the run then reads /metrics after each rate and reports what it still holds (KV
 pages in use, swap copies, open and queued requests, asyncio tasks above the idle server's),
 which must all be 0. Loopback only; bounded by --num_requests and --timeout.
@@ -177,9 +181,15 @@ async def at_rate(url: str, model: str, reqs: list[dict], rate: float, seed: int
           "normalized_latency_s": (float(np.mean([r["e2e"] / r["tokens"] for r in done]))
                                    if done else None),
           "ttft_s": _pct(r["ttft"] for r in done), "tpot_s": _pct(r["tpot"] for r in done),
+          "ttft_mean_s": float(np.mean([r["ttft"] for r in done])) if done else None,
           "e2e_s": _pct(r["e2e"] for r in done),
           **({"texts": [r.get("text") if "e2e" in r else None for r in results]}
              if keep_texts else {})}
+
+
+# Our server's histograms of TTFT and of its parts (queue, then prefill), vLLM's names.
+TTFT_PARTS = ("time_to_first_token_seconds", "request_queue_time_seconds",
+              "request_prefill_time_seconds")
 
 
 def server_state(base: str) -> dict:
@@ -188,7 +198,8 @@ def server_state(base: str) -> dict:
   import httpx
   names = ("kv_pages_in_use", "num_swap_copies", "num_open_requests", "num_requests_running",
            "num_requests_waiting", "server_asyncio_tasks", "num_programs",
-           "num_programs_on_demand", "programs_on_demand_seconds")
+           "num_programs_on_demand", "programs_on_demand_seconds") + tuple(
+               f"{h}_{part}" for h in TTFT_PARTS for part in ("sum", "count"))
   state = dict.fromkeys(names, 0.0)
   for line in httpx.get(base + "/metrics").text.splitlines():
     name = line.split("{")[0].removeprefix("paged_jax:")
@@ -202,7 +213,9 @@ def leftovers(base: str, idle_tasks: float) -> dict:
   leaked (the tasks as a count above those of the idle server, `idle_tasks`)."""
   state = server_state(base)
   state["tasks_over_idle"] = state.pop("server_asyncio_tasks") - idle_tasks
-  del state["num_programs"], state["num_programs_on_demand"], state["programs_on_demand_seconds"]
+  for name in list(state):
+    if "program" in name or name.endswith(("_sum", "_count")):
+      del state[name]
   return state
 
 
@@ -302,6 +315,11 @@ def _summary(row: dict) -> str:
           f"completed, {row['disconnected']} left, {row['errors']} errors; TTFT p50/p90 "
           f"{ms(row['ttft_s'])} ms, TPOT {ms(row['tpot_s'])} ms, e2e {ms(row['e2e_s'])} ms, "
           f"{row['output_tokens_per_s']:.1f} tok/s"
+          + (f"; mean TTFT {1e3 * row['ttft_mean_s']:.0f} ms, the server's "
+             f"{1e3 * row['server_ttft_mean_s']:.0f} = queue {1e3 * row['queue_mean_s']:.0f} + "
+             f"prefill {1e3 * row['prefill_mean_s']:.0f}"
+             if row.get("server_ttft_mean_s") is not None and row["ttft_mean_s"] is not None
+             else "")
           + (f"; {row['new_programs']:g} new programs, {row['programs_on_demand']:g} of them "
              f"compiled or loaded while clients waited ({row['programs_on_demand_s']:.1f} s: "
              f"{'; '.join(row['on_demand_log']) or '-'})" if "new_programs" in row else "")
@@ -330,7 +348,7 @@ def bench_one(cfg: HttpBenchConfig, url: str, base: str | None, name: str, vocab
   def programs():
     state = server_state(base)
     return (state["num_programs"], state["num_programs_on_demand"],
-            state["programs_on_demand_seconds"], len(server_log()) if server_log else 0)
+            state["programs_on_demand_seconds"], len(server_log()) if server_log else 0, state)
   rows = []
   for i, rate in enumerate(cfg.rates):
     reqs = requests_for(cfg, cfg.seed + i, vocab)
@@ -342,6 +360,11 @@ def bench_one(cfg: HttpBenchConfig, url: str, base: str | None, name: str, vocab
       row["new_programs"] = after[0] - before[0]
       row["programs_on_demand"] = after[1] - before[1]
       row["programs_on_demand_s"] = after[2] - before[2]
+      # the server's own TTFT and its two parts, means over the requests it finished this rate
+      # (aborted ones too): client TTFT - server TTFT is the HTTP path's share
+      for h, key in zip(TTFT_PARTS, ("server_ttft_mean_s", "queue_mean_s", "prefill_mean_s")):
+        n = after[4][h + "_count"] - before[4][h + "_count"]
+        row[key] = (after[4][h + "_sum"] - before[4][h + "_sum"]) / n if n else None
       # which ones, loaded or compiled, and how long each took (the engine's log lines)
       row["on_demand_log"] = ([ln.split("step program ", 1)[1].strip() for ln in
                                server_log()[before[3]:after[3]].splitlines()

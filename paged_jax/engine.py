@@ -417,6 +417,9 @@ class Engine(EngineLoop):
     t0 = time.perf_counter()
     outputs, self._finished_outputs = self._finished_outputs, []
     plan = self.scheduler.schedule()
+    for r in plan.rows:
+      if r.group.first_scheduled_time is None:
+        r.group.first_scheduled_time = t0
     if not plan:
       if self.scheduler.has_unfinished():
         raise RuntimeError("no request can run although some are unfinished; this is a bug "
@@ -744,9 +747,12 @@ class Engine(EngineLoop):
     if g.finish_time is not None and g.first_token_time is not None and longest > 1:
       tpot = (g.finish_time - g.first_token_time) / (longest - 1)
     error = g.error if any(c.finish_reason == "error" for c in completions) else None
+    queued = (None if g.first_scheduled_time is None
+              else g.first_scheduled_time - g.arrival_time)
     return RequestOutput(g.request_id, list(g.prompt), completions, g.is_finished,
                          g.arrival_time, ttft, tpot, g.finish_time,
-                         num_cached_tokens=g.num_cached_tokens, error=error)
+                         num_cached_tokens=g.num_cached_tokens, error=error,
+                         time_in_queue=queued)
 
   def _continuation(self, g: SequenceGroup, tokens: list[int]) -> str:
     """The text `tokens` add after g's prompt, decoded in the context of the prompt's last

@@ -90,7 +90,8 @@ class SequenceGroup:
     seed: the request's seed (given, or drawn by the engine).
     eos_token_ids: tokens that stop a completion unless params.ignore_eos.
     order: admission rank (first admission); the newest running group is the preemption victim.
-    arrival_time / first_token_time / finish_time: wall clock (time.perf_counter()).
+    arrival_time / first_scheduled_time / first_token_time / finish_time: wall clock
+      (time.perf_counter()); first scheduled: the start of the first step with a row of it.
     cache_salt: prefix-cache namespace: requests with different salts never share pages.
     num_cached_tokens: prompt tokens its first admission found in the prefix cache.
     suspect: a step it was part of failed; it runs alone until a step of its own succeeds.
@@ -106,6 +107,7 @@ class SequenceGroup:
   beam_scores: dict[int, float] = dataclasses.field(default_factory=dict)   # seq_id -> score
   order: int | None = None
   arrival_time: float = 0.0
+  first_scheduled_time: float | None = None
   first_token_time: float | None = None
   finish_time: float | None = None
   aborted: bool = False
@@ -178,6 +180,9 @@ class RequestOutput:
 
   Attributes:
     ttft: time to first token (s), from add_request to the first sampled token.
+    time_in_queue: arrival to the start of the first step that ran a row of it (s; vLLM's
+      name): waiting for admission, and for the step in flight when it arrived. ttft -
+      time_in_queue is its prefill (the steps of its prompt's chunks).
     tpot: time per output token after the first (s), over the longest completion; None until
       the request finishes or while it has one token.
     num_cached_tokens: prompt tokens served by the prefix cache (of its own cache_salt only).
@@ -193,3 +198,4 @@ class RequestOutput:
   finish_time: float | None
   num_cached_tokens: int = 0
   error: str | None = None
+  time_in_queue: float | None = None

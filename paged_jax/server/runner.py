@@ -83,6 +83,12 @@ class Metrics:
     self.tpot = h("time_per_output_token_seconds", "Time per output token after the first.",
                   TPOT_BUCKETS)
     self.e2e = h("e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS)
+    # TTFT's two parts, as vLLM names them: arrival to the first step with a row of the
+    # request (admission, and the step in flight when it came), then its prompt's steps.
+    self.queue = h("request_queue_time_seconds", "Arrival to the start of the request's first "
+                   "step.", TTFT_BUCKETS)
+    self.prefill = h("request_prefill_time_seconds", "The request's first step's start to its "
+                     "first token.", TTFT_BUCKETS)
     self._preemptions_seen = 0
 
   def update(self, gauges: dict, open_requests: int) -> None:
@@ -116,6 +122,9 @@ class Metrics:
     self._finished.labels(self._model_name, reason).inc()
     if out.ttft is not None:
       self.ttft.observe(out.ttft)
+      if out.time_in_queue is not None:
+        self.queue.observe(out.time_in_queue)
+        self.prefill.observe(out.ttft - out.time_in_queue)
     if out.tpot is not None:
       self.tpot.observe(out.tpot)
     if out.finish_time is not None:

@@ -47,6 +47,12 @@ class HttpBenchTest(absltest.TestCase):
       self.assertEqual(row["programs_on_demand"], row["new_programs"])
       self.assertLen(row["on_demand_log"], row["programs_on_demand"])
       self.assertGreater(row["programs_on_demand_s"], 0.0)
+      # the server's TTFT, split into its queue time and its prefill (its /metrics histograms)
+      self.assertGreater(row["queue_mean_s"], 0.0)
+      self.assertGreater(row["prefill_mean_s"], 0.0)
+      self.assertAlmostEqual(row["queue_mean_s"] + row["prefill_mean_s"],
+                             row["server_ttft_mean_s"], places=6)
+      self.assertGreater(row["ttft_mean_s"], 0.0)
       for entry in row["on_demand_log"]:
         self.assertRegex(entry, r"^\('(step|round)', .*\) compiled on demand in [0-9.]+ s$")
 

@@ -151,6 +151,22 @@ class SchedulerTest(parameterized.TestCase):
     self.assertEqual(events[2][:2], [("step", [], [(0, 0, 2), (1, 0, 6)]),
                                      ("step", [0], [(1, 6, 9), (2, 0, 3)])])
 
+  def test_time_in_queue_ends_at_the_first_step_that_runs_the_request(self):
+    # One row at a time: request 1 arrives with request 0 and waits until 0 has finished, so
+    # its queue time spans 0's whole run; each TTFT is its queue time and then its prefill.
+    import time
+    e = self.make(max_num_seqs=1, steps_per_sync=2)
+    now = time.perf_counter()
+    for p in prompts(5, 3):
+      e.add_request(p, SamplingParams(max_tokens=4), arrival_time=now)
+    final = self.run_all(e)
+    first, second = final["req-0"], final["req-1"]
+    self.assertGreater(second.time_in_queue, first.finish_time - now)
+    for out in (first, second):
+      self.assertGreaterEqual(out.time_in_queue, 0.0)
+      self.assertGreater(out.ttft, out.time_in_queue)
+    self.assertLess(first.time_in_queue, first.ttft)
+
   def test_admission_waits_for_pages_and_drops_nothing(self):
     # 6 usable pages of 4 tokens; a 6-token prompt takes 2 at admission (3 by its end).
     e = self.make(num_pages=7, steps_per_sync=2)

@@ -103,6 +103,21 @@ class ServerTest(absltest.TestCase):
     for c, o in zip(r.choices, ref.outputs):
       self.assertSequenceAlmostEqual(c.logprobs.token_logprobs, o.logprobs, places=4)
 
+  def test_ttft_is_its_queue_time_then_its_prefill_in_metrics(self):
+    names = ("time_to_first_token_seconds", "request_queue_time_seconds",
+             "request_prefill_time_seconds")
+    read = lambda: {n: (_metric(self.server.base, n + "_count"),
+                        _metric(self.server.base, n + "_sum")) for n in names}
+    before = read()
+    self.complete(prompt=["h e l l o", "k v"], max_tokens=4, temperature=0)
+    after = read()
+    (ttft_n, ttft_s), (queue_n, queue_s), (prefill_n, prefill_s) = (
+        (after[n][0] - before[n][0], after[n][1] - before[n][1]) for n in names)
+    self.assertEqual((ttft_n, queue_n, prefill_n), (2, 2, 2))
+    self.assertGreater(queue_s, 0.0)
+    self.assertGreater(prefill_s, 0.0)
+    self.assertAlmostEqual(queue_s + prefill_s, ttft_s, places=6)
+
   def test_seeds_reproduce_across_calls_and_streamed_text_equals_the_response(self):
     kw = dict(prompt="s e e d", max_tokens=12, temperature=1.5, n=2,
               extra_body={"ignore_eos": True, "top_k": 10})
