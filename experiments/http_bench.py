@@ -345,29 +345,28 @@ def bench_one(cfg: HttpBenchConfig, url: str, base: str | None, name: str, vocab
       row = asyncio.run(at_rate(url, model, requests_for(cfg, cfg.seed + 2000 + i, vocab), rate,
                                 cfg.seed + 2000 + i, cfg.timeout))
       progress(f"{name} warm-up sweep: {_summary(dict(row, server=name))}")
-  def programs():
-    state = server_state(base)
-    return (state["num_programs"], state["num_programs_on_demand"],
-            state["programs_on_demand_seconds"], len(server_log()) if server_log else 0, state)
+  def snapshot():   # /metrics, and how much the server had printed
+    return server_state(base), len(server_log()) if server_log else 0
   rows = []
   for i, rate in enumerate(cfg.rates):
     reqs = requests_for(cfg, cfg.seed + i, vocab)
-    before = programs() if base else None
+    before = snapshot() if base else None
     row = asyncio.run(at_rate(url, model, reqs, rate, cfg.seed + i, cfg.timeout,
                               cfg.keep_texts))
     if base is not None:   # programs first run during this rate, and those clients waited for
-      after = programs()
-      row["new_programs"] = after[0] - before[0]
-      row["programs_on_demand"] = after[1] - before[1]
-      row["programs_on_demand_s"] = after[2] - before[2]
+      after = snapshot()
+      delta = lambda name: after[0][name] - before[0][name]
+      row["new_programs"] = delta("num_programs")
+      row["programs_on_demand"] = delta("num_programs_on_demand")
+      row["programs_on_demand_s"] = delta("programs_on_demand_seconds")
       # the server's own TTFT and its two parts, means over the requests it finished this rate
       # (aborted ones too): client TTFT - server TTFT is the HTTP path's share
       for h, key in zip(TTFT_PARTS, ("server_ttft_mean_s", "queue_mean_s", "prefill_mean_s")):
-        n = after[4][h + "_count"] - before[4][h + "_count"]
-        row[key] = (after[4][h + "_sum"] - before[4][h + "_sum"]) / n if n else None
+        n = delta(h + "_count")
+        row[key] = delta(h + "_sum") / n if n else None
       # which ones, loaded or compiled, and how long each took (the engine's log lines)
       row["on_demand_log"] = ([ln.split("step program ", 1)[1].strip() for ln in
-                               server_log()[before[3]:after[3]].splitlines()
+                               server_log()[before[1]:after[1]].splitlines()
                                if "on demand in" in ln] if server_log else [])
       # the server's next step frees what the last disconnects held
       deadline = time.monotonic() + 30
