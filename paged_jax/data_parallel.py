@@ -127,13 +127,14 @@ class DataParallelEngine(EngineLoop):
 
   # ------------------------------------------------------------------------------ the loop
 
-  def step(self) -> list[RequestOutput]:
-    """One step on every replica with work (concurrently); their outputs, replica by replica."""
+  def step(self, interrupt=None) -> list[RequestOutput]:
+    """One step on every replica with work (concurrently); their outputs, replica by replica.
+    interrupt: as `Engine.step`'s, asked by every replica."""
     busy = [e for e in self.replicas if e.has_unfinished()]
     if len(busy) > 1:
-      results = list(self._pool.map(lambda e: e.step(), busy))
+      results = list(self._pool.map(lambda e: e.step(interrupt), busy))
     else:
-      results = [e.step() for e in busy]
+      results = [e.step(interrupt) for e in busy]
     outputs = [o for outs in results for o in outs]
     for o in outputs:
       if o.finished and o.request_id in self._where:

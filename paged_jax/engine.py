@@ -20,11 +20,12 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import gc
 import itertools
 import os
 import time
-from typing import Iterable, Iterator, NamedTuple, Sequence as Seq
+from typing import Callable, Iterable, Iterator, NamedTuple, Sequence as Seq
 
 from absl import logging
 import jax
@@ -45,12 +46,14 @@ from paged_jax.state import NULL_PAGE, AttentionMetadata, KVPool
 
 WARMUP_SCOPES = ("one_user", "one_prompt", "all")   # `Engine.warmup_programs`, narrowest first
 DECODE_CONTEXT = 5   # prompt tokens a completion's text is decoded after (vLLM's offset: 5)
+LINKS_AHEAD = 1   # a stoppable round's links dispatched beyond the one running (`Engine._chain`)
 
 
 class StepFunctions(NamedTuple):
   """The device steps the engine calls; tests swap in fakes (no model) with the same signature."""
   sample_step: object = step.sample_step
   multi_step_decode: object = step.multi_step_decode
+  decode_link: object = step.decode_link
 
 
 def slow_narrow_kv_writes(dtype) -> bool:
@@ -91,6 +94,7 @@ class EngineStats:
   evicted_programs: int = 0     # compiled programs dropped to stay under the map limit
   programs_on_demand: int = 0   # step programs compiled or loaded while a step waited for them
   programs_on_demand_s: float = 0.0   # seconds steps waited for them (with a program store)
+  rounds_stopped: int = 0       # stoppable rounds that ended early (`step(interrupt=...)`)
   validate_s: float = 0.0       # host time in `batching.validate_step` (part of host_s)
   prefill_s: float = 0.0
   decode_s: float = 0.0
@@ -158,6 +162,11 @@ class Engine(EngineLoop):
       on XLA:CPU; `experiments.layer_loop_bench`). Not yet with a mesh. Params already in
       that layout (`load_checkpoint(..., stacked=True)`) are taken as they are; they need
       scan_layers=True.
+    stoppable_rounds: run each k-step decode round as k chained dispatches of one step
+      (`step.decode_link`, one kept queued ahead) instead of one k-step scan, so that
+      `step(interrupt=...)` can end a round between two steps: a request that arrives
+      mid-round then waits for ~1-2 steps, not k (the server passes "a command is queued").
+      The same tokens either way; one sync per round still.
     program_store: a directory of compiled step programs (`paged_jax.program_store`): a
       program the engine needs is loaded from it (no trace, no compile) or compiled and kept
       there, so a restarted engine loads each program (~0.1-0.2 s for SmolLM2's scanned
@@ -170,7 +179,8 @@ class Engine(EngineLoop):
                tokenizer=None, eos_token_ids: Iterable[int] = (),
                steps: StepFunctions = StepFunctions(), validate_tables: bool | None = None,
                scrub_freed_pages: bool = False, max_step_retries: int = 2, mesh=None,
-               scan_layers: bool = False, program_store: str | None = None):
+               scan_layers: bool = False, stoppable_rounds: bool = False,
+               program_store: str | None = None):
     if max_step_retries < 1:
       raise ValueError(f"max_step_retries={max_step_retries} must be >= 1")
     if program_store and mesh is not None:
@@ -203,6 +213,7 @@ class Engine(EngineLoop):
     self.tokenizer = tokenizer
     self.eos_token_ids = frozenset(_token_ids(eos_token_ids, cfg.vocab_size, "eos_token_ids"))
     self.steps = steps
+    self.stoppable_rounds = bool(stoppable_rounds)
     device = (jax.devices()[0] if mesh is None else   # this process's first device of the mesh
               next(d for d in mesh.devices.flat if d.process_index == jax.process_index()))
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
@@ -400,9 +411,13 @@ class Engine(EngineLoop):
 
   # ------------------------------------------------------------------------------ the loop
 
-  def step(self) -> list[RequestOutput]:
+  def step(self, interrupt: Callable[[], bool] | None = None) -> list[RequestOutput]:
     """Runs one scheduled step. Returns an output for every request that got tokens or finished
     (beam search requests report once, when they finish).
+
+    interrupt: with `stoppable_rounds`, asked before each step of a decode round after its
+    first; True ends the round there (the steps already dispatched run and are applied; the
+    slots reserved for the rest stay with their sequences). Ignored otherwise.
 
     Faults: if the device work of a step raises, no token of it is applied. If the model step
     itself failed and the pool is intact, the host state is still consistent (the next plan
@@ -433,7 +448,7 @@ class Engine(EngineLoop):
       self._apply_swaps_and_copies(plan)
       self._stage = "run"
       if plan.rows:
-        out, device_s = self._run(plan)
+        out, device_s = self._run(plan, interrupt)
     except batching.TableValidationError:
       raise   # a bookkeeping bug: never papered over
     except Exception as e:   # noqa: BLE001 - any failure of the device work is recoverable
@@ -527,15 +542,16 @@ class Engine(EngineLoop):
       self.pool = page_ops.copy_pages(self.pool, jnp.asarray(src), jnp.asarray(dst))
       self.stats.copy_batches += 1
 
-  def _run(self, plan: StepPlan) -> tuple[dict, float]:
-    """Builds the arrays, runs the step, brings the samples back: (host arrays, device seconds)."""
+  def _run(self, plan: StepPlan, interrupt=None) -> tuple[dict, float]:
+    """Builds the arrays, runs the step, brings the samples back: (host arrays, device seconds).
+    A stoppable round that `interrupt` ends early leaves plan.num_steps at the steps that ran."""
     top_n = max((2 * r.group.params.beam_width if r.group.params.use_beam_search
                  else r.group.params.logprobs) for r in plan.rows)
     num_logprobs = batching.next_pow2(top_n) if top_n else 0
     build = batching.build_decode_round if plan.num_steps > 1 else batching.build_step
     a = build(plan, self.bm, self.max_pages_per_seq, self.fixed_width)
     self._validate(plan, a)
-    key = batching.program_key(a, plan.num_steps, num_logprobs)
+    key = batching.program_key(a, plan.num_steps, num_logprobs, self.stoppable_rounds)
     self.programs[key] += 1
     fn, inputs, kw = self._call(a, key)
     args = (self.params, self.pool) + inputs
@@ -556,25 +572,54 @@ class Engine(EngineLoop):
       self._new_programs = True
       self.stats.programs_on_demand += 1
     t = time.perf_counter()
+    run = functools.partial(fn, **kw) if compiled is None else compiled
     with self._mesh_context():
-      sampled, self.pool = fn(*args, **kw) if compiled is None else compiled(*args)
+      if key.kind == "link":
+        sampled = self._chain(run, args, plan, interrupt)
+      else:
+        sampled, self.pool = run(*args)
     out = jax.device_get(sampled)   # the one sync of the step
     device_s = time.perf_counter() - t
+    if key.kind == "link":   # [steps run][1, S] -> [steps run, S]
+      out = jax.tree_util.tree_map(lambda *x: np.concatenate(x), *out)
     if self._new_programs:
       self._bound_maps(keep=key)
     host = {f.name: np.asarray(getattr(out, f.name)) for f in dataclasses.fields(out)}
-    if plan.num_steps == 1:   # [S] -> [1, S]: one layout for both kinds of step
+    if key.kind == "step":   # [S] -> [1, S]: one layout for every kind of step
       host = {k: v[None] for k, v in host.items()}
     return host, device_s
+
+  def _chain(self, run, args, plan: StepPlan, interrupt) -> list:
+    """Dispatches a round's links one after another, each on the last one's outputs, keeping
+    LINKS_AHEAD queued beyond the one running: link s is dispatched once link s - 1 -
+    LINKS_AHEAD is done (and `interrupt()` is False). Returns the links' samples (on the
+    device); self.pool is the last link's pool."""
+    params, pool, state, sampling = args
+    outs = []
+    for s in range(plan.num_steps):
+      if s:
+        if s - 1 - LINKS_AHEAD >= 0:
+          outs[s - 1 - LINKS_AHEAD].tokens.block_until_ready()
+        if interrupt is not None and interrupt():
+          break
+      out, pool, state, sampling = run(params, pool, state, sampling)
+      outs.append(out)
+    self.pool = pool
+    if len(outs) < plan.num_steps:
+      plan.num_steps = len(outs)
+      self.stats.rounds_stopped += 1
+    return outs
 
   def _call(self, a: dict, key: batching.ProgramKey):
     """(device step, its array inputs on the device, its static options) for step arrays `a`.
     One sampling variant serves greedy and sampled rows (`sampling.sample`'s lax.cond): two
     programs per shape would not pay for themselves."""
     kw = dict(cfg=self.cfg, impl=self.impl, greedy_only=False, num_logprobs=key.num_logprobs)
-    if key.kind == "round":
+    if key.kind in ("round", "link"):
       state = step.DecodeState(a["tokens"], a["positions"], a["block_tables"], a["write_limit"])
       inputs = jax.device_put((state, a["sampling"]))   # one transfer for every array
+      if key.kind == "link":
+        return self.steps.decode_link, inputs, kw
       return self.steps.multi_step_decode, inputs, dict(kw, num_steps=key.num_steps)
     md = AttentionMetadata(a["block_tables"], a["seq_lens"], a["cu_q_lens"], a["slots"],
                            max_q_len=a["max_q_len"], num_decode=a["num_decode"])
@@ -587,7 +632,8 @@ class Engine(EngineLoop):
     sc = self.scheduler.config
     return batching.ProgramLimits(sc.max_num_seqs, sc.max_num_batched_tokens,
                                   self.cfg.max_position, self.page_size, sc.steps_per_sync,
-                                  self.fixed_width, sc.max_prefill_rows)
+                                  self.fixed_width, sc.max_prefill_rows,
+                                  self.stoppable_rounds)
 
   def warmup_programs(self, scope: str = "one_user") -> list[batching.ProgramKey]:
     """The programs `warmup(scope)` compiles (n=1, no beams or logprobs). "one_user":

@@ -73,6 +73,7 @@ class ServeConfig:
   max_num_batched_tokens: int = 2048
   steps_per_sync: int = 4
   max_prefill_rows: int | None = None
+  stoppable_rounds: bool = False
   preemption_mode: str = "recompute"
   reservation: str = "paged"
   enable_prefix_caching: bool = True
@@ -219,6 +220,8 @@ def make_engine(cfg: ServeConfig, params, mcfg, tokenizer, eos):
             scrub_freed_pages=cfg.scrub_freed_pages)
   if cfg.scan_layers:
     kw["scan_layers"] = True
+  if cfg.stoppable_rounds:
+    kw["stoppable_rounds"] = True
   if cfg.program_store and mesh is None:   # one device: its compiled programs are kept
     kw["program_store"] = cfg.program_store
   return data_parallel.make_engine(params, mcfg, mesh=mesh, **kw)
@@ -240,6 +243,10 @@ def serve(engine: Engine, requests: list[_Request], *, progress: bool = False, o
   final = {}
   start = time.perf_counter()
   nxt = 0
+
+  def arrived() -> bool:   # ends a stoppable round: a request is due (Engine.step's interrupt)
+    return nxt < len(order) and requests[order[nxt]].arrival <= time.perf_counter() - start
+
   with tqdm(total=len(requests), disable=not progress, unit="req", desc="serve") as bar:
     while nxt < len(order) or engine.has_unfinished():
       now = time.perf_counter() - start
@@ -248,7 +255,7 @@ def serve(engine: Engine, requests: list[_Request], *, progress: bool = False, o
         ids[engine.add_request(r.prompt, r.params, arrival_time=start + r.arrival)] = order[nxt]
         nxt += 1
       if engine.has_unfinished():
-        for out in engine.step():
+        for out in engine.step(arrived):
           if on_output is not None:
             on_output(ids[out.request_id], out)
           if out.finished:
@@ -299,6 +306,7 @@ def summarize(engine: Engine, requests: list[_Request], outs, seconds: float) ->
       "input_tokens": input_tokens, "output_tokens": output_tokens,
       "input_tokens_per_s": input_tokens / seconds, "output_tokens_per_s": output_tokens / seconds,
       "ttft_s": _percentiles(o.ttft for o in outs), "tpot_s": _percentiles(o.tpot for o in outs),
+      "queue_s": _percentiles(o.time_in_queue for o in outs),
       "normalized_latency_s_per_token": float(np.mean(per_seq_latency)),
       "peak_kv_usage": m["max_pages_in_use"] * engine.page_size / capacity,
       "prefix_hit_rate": m["prefix_hit_rate"], "preemptions": m["preemptions"],
@@ -313,6 +321,7 @@ def summarize(engine: Engine, requests: list[_Request], outs, seconds: float) ->
       "programs": m["programs"], "programs_not_warmed": m["programs_not_warmed"],
       "programs_compiled": m["programs_compiled"], "programs_loaded": m["programs_loaded"],
       "programs_on_demand": m["programs_on_demand"], "evicted_programs": m["evicted_programs"],
+      "rounds_stopped": m["rounds_stopped"],
   }
 
 
@@ -391,7 +400,7 @@ def report(r: dict) -> str:
 
 ENGINE_FIELDS = ("page_size", "num_pages", "kv_cache_bytes", "kv_cache_fraction", "kv_dtype",
                  "kv_scales", "max_num_seqs", "max_num_batched_tokens", "steps_per_sync",
-                 "max_prefill_rows",
+                 "max_prefill_rows", "stoppable_rounds",
                  "preemption_mode", "reservation", "enable_prefix_caching", "impl", "dtype",
                  "matmul", "seed", "warmup", "validate_tables", "scrub_freed_pages", "mesh",
                  "scan_layers")
@@ -449,6 +458,9 @@ def define_engine_flags():
   flags.DEFINE_integer("max_prefill_rows", None, "Most prompts prefilled in one step (default: "
                        "no bound; 1 with --warmup=one_prompt: no step waits for a compile).",
                        lower_bound=1)
+  flags.DEFINE_bool("stoppable_rounds", False, "Run each decode round as chained one-step "
+                    "programs that the server ends early when a request arrives (its queue "
+                    "time ~1-2 steps, not steps_per_sync); the same tokens.")
   flags.DEFINE_enum("preemption_mode", "recompute", ["recompute", "swap"], "Preemption.")
   flags.DEFINE_enum("reservation", "paged", ["paged", "max", "pow2", "oracle"],
                     "KV allocation: paged, or a contiguous baseline of the paper driving "

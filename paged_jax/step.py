@@ -117,6 +117,35 @@ def multi_step_decode(params, pool: KVPool, state: DecodeState, sampling: Sampli
     SampleOutput with leading shape [num_steps, num_seqs] (garbage in padding rows), and the
     updated pool (donated).
   """
+  return _decode_steps(params, pool, state, sampling, cfg, num_steps, impl, greedy_only,
+                       num_logprobs)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "impl", "greedy_only", "num_logprobs"),
+                   donate_argnames=("pool",))
+def decode_link(params, pool: KVPool, state: DecodeState, sampling: SamplingArrays, *,
+                cfg: ModelConfig, impl: str = "auto", greedy_only: bool = False,
+                num_logprobs: int = 0):
+  """One step of a decode round that also returns the next step's inputs, so the engine can
+  chain a round's k steps as k dispatches (a stoppable round: `Engine(stoppable_rounds=True)`)
+  and stop between two of them. Chaining k links samples exactly what `multi_step_decode`'s
+  k-step scan samples (the same body; output_index advances by one per link).
+
+  Returns:
+    (SampleOutput [1, num_seqs], the updated pool (donated), the next DecodeState: tokens the
+    samples, positions + 1, the same tables and write limits; the next SamplingArrays:
+    output_index + 1).
+  """
+  out, pool = _decode_steps(params, pool, state, sampling, cfg, 1, impl, greedy_only,
+                            num_logprobs)
+  state = state.replace(tokens=out.tokens[0], positions=state.positions + 1)
+  return out, pool, state, sampling.replace(output_index=sampling.output_index + 1)
+
+
+def _decode_steps(params, pool: KVPool, state: DecodeState, sampling: SamplingArrays,
+                  cfg: ModelConfig, num_steps: int, impl: str, greedy_only: bool,
+                  num_logprobs: int):
+  """`multi_step_decode`'s body (traced inside a jit)."""
   num_seqs = state.tokens.shape[0]
   page_size = pool.page_size
   rows = jnp.arange(num_seqs, dtype=jnp.int32)

@@ -277,7 +277,8 @@ class FakeSteps:
   Request r's prompt is best written 100 * r + (0, 1, ...), so that every token names its
   request (token // 100). Each call is recorded in `events`:
   ("step", [decode rows' requests], [(request, first position, stop) per prefill chunk]) and
-  ("decode", [rows' requests], k) for a k-step round.
+  ("decode", [rows' requests], k) for a k-step round (k = 1 for each link of a stoppable
+  round).
   """
 
   def __init__(self):
@@ -308,9 +309,16 @@ class FakeSteps:
     self.events.append(("decode", [int(t) // 100 for t in tokens[live]], num_steps))
     return self._out(tokens[None, :] + np.arange(1, num_steps + 1)[:, None], num_logprobs), pool
 
+  def decode_link(self, params, pool, state, sampling, *, cfg, impl, greedy_only, num_logprobs):
+    out, pool = self.multi_step_decode(params, pool, state, sampling, cfg=cfg, num_steps=1,
+                                       impl=impl, greedy_only=greedy_only,
+                                       num_logprobs=num_logprobs)
+    state = state.replace(tokens=out.tokens[0], positions=state.positions + 1)
+    return out, pool, state, sampling.replace(output_index=sampling.output_index + 1)
+
   def functions(self):
     from paged_jax.engine import StepFunctions
-    return StepFunctions(self.sample_step, self.multi_step_decode)
+    return StepFunctions(self.sample_step, self.multi_step_decode, self.decode_link)
 
 
 class RandomSteps(FakeSteps):

@@ -192,7 +192,8 @@ class ProgramKey(NamedTuple):
 
   kind: "step" (`step.sample_step`: num_decode decode rows, then num_prefill_rows rows of
   prefill chunks holding num_prefill_tokens tokens, max_q_len their static bound, 1 without
-  prefill) or "round" (`step.multi_step_decode`: num_steps decode steps of num_decode rows).
+  prefill), "round" (`step.multi_step_decode`: num_steps decode steps of num_decode rows) or
+  "link" (`step.decode_link`: one step of a stoppable round, chained by the engine; num_steps 1).
   width: block-table columns; num_samples: sample rows; num_logprobs: the static top-N.
   """
   kind: str
@@ -206,10 +207,14 @@ class ProgramKey(NamedTuple):
   num_steps: int = 1
 
 
-def program_key(arrays: dict, num_steps: int, num_logprobs: int) -> ProgramKey:
-  """The key of the program that runs `build_step` (num_steps 1) or `build_decode_round` arrays."""
+def program_key(arrays: dict, num_steps: int, num_logprobs: int,
+                stoppable_rounds: bool = False) -> ProgramKey:
+  """The key of the program that runs `build_step` (num_steps 1) or `build_decode_round` arrays
+  (a k-step scan, or with stoppable_rounds the link chained k times)."""
   rows, width = arrays["block_tables"].shape
   samples = arrays["sampling"].temperature.shape[0]
+  if num_steps > 1 and stoppable_rounds:
+    return ProgramKey("link", rows, 0, 0, 1, width, samples, num_logprobs, 1)
   if num_steps > 1:
     return ProgramKey("round", rows, 0, 0, 1, width, samples, num_logprobs, num_steps)
   d = arrays["num_decode"]
@@ -228,6 +233,7 @@ class ProgramLimits:
   steps_per_sync: int = 1
   fixed_width: bool = False
   max_prefill_rows: int | None = None   # the scheduler's bound on prefill chunks per step
+  stoppable_rounds: bool = False   # rounds run as chained "link" programs, not k-step scans
 
 
 def _classes(bucket, upper: int) -> dict[int, tuple[int, int]]:
@@ -260,7 +266,9 @@ def reachable_programs(limits: ProgramLimits, max_prompts: int | None = None) ->
   tokens = _classes(lambda n: token_bucket(n, MIN_PREFILL_TOKENS), B)
   keys = []
   for w in widths:
-    if limits.steps_per_sync > 1:
+    if limits.steps_per_sync > 1 and limits.stoppable_rounds:
+      keys += [ProgramKey("link", d, 0, 0, 1, w, d, 0, 1) for d in rounds]
+    elif limits.steps_per_sync > 1:
       keys += [ProgramKey("round", d, 0, 0, 1, w, d, 0, limits.steps_per_sync) for d in rounds]
     for d, (nd, _) in [(0, (0, 0))] + sorted(decode.items()):
       if d:
@@ -285,7 +293,7 @@ def placeholder_arrays(key: ProgramKey) -> dict:
   (what `Engine.warmup` lowers a program with: shapes and dtypes are what it compiles for)."""
   d, w, s = key.num_decode, key.width, key.num_samples
   sampling = SamplingArrays.from_rows([], s)
-  if key.kind == "round":
+  if key.kind in ("round", "link"):
     zeros = np.zeros(d, np.int32)
     return dict(tokens=zeros, positions=zeros, write_limit=zeros,
                 block_tables=np.full((d, w), NULL_PAGE, np.int32), sampling=sampling)

@@ -213,7 +213,7 @@ class EngineRunner:
             return
           self._apply(kind, arg, fut)
         if engine.has_unfinished():
-          outs = engine.step()
+          outs = engine.step(self._commands_waiting)
           self.steps += 1
           self._deliver(outs)
     except Exception as e:   # noqa: BLE001 - reported to every open request, then the loop ends
@@ -223,6 +223,11 @@ class EngineRunner:
         cb(e)
       self._subscribers.clear()
       self._fail_commands(e)
+
+  def _commands_waiting(self) -> bool:
+    """The engine's interrupt: a command (a new request, an abort) is queued, so a stoppable
+    round ends early and the command is applied ~1-2 steps after it came, not k."""
+    return not self._commands.empty()
 
   def _apply(self, kind, arg, fut) -> None:
     engine = self._engine

@@ -452,15 +452,20 @@ class ExperimentsTest(parameterized.TestCase):
 
   @pytest.mark.slow   # ~10-14 s on a usual day, over 20 s on a slow one (the README tier's bound)
   def test_latency_bench_paged_jax(self):
-    # Poisson arrivals at two rates through the serve command's synthetic workload.
+    # Poisson arrivals at two rates through the serve command's synthetic workload; stoppable
+    # rounds (ended when a request is due) give the same greedy tokens.
     r = latency_bench.run(latency_bench.LatencyConfig(
-        preset="tiny", num_requests=4, rates=(20.0, 40.0), engines=("paged_jax",),
-        max_position=64, results_dir=None), progress=lambda *_: None)
+        preset="tiny", num_requests=4, rates=(20.0, 40.0),
+        engines=("paged_jax", "paged_jax_stoppable"), max_position=64, results_dir=None),
+        progress=lambda *_: None)
+    self.assertEqual(r["identical_tokens"], {"20.0": True, "40.0": True})
     rows = r["engines"]["paged_jax"]
     for rate in ("20.0", "40.0"):
       x = rows[rate]
       self.assertGreater(x["output_tokens"], 0)
       self.assertLessEqual(x["ttft_s"]["p50"], x["ttft_s"]["p90"])
+      self.assertLessEqual(x["queue_s"]["p50"], x["ttft_s"]["p50"])
+      self.assertEqual(x["rounds_stopped"], 0)   # scan rounds never stop
       self.assertGreater(x["normalized_latency_s_per_token"], 0)
     self.assertIn(20.0, rows["sustained_rates"])   # the lowest rate is its own baseline
     self.assertIn("rate  40.0/s", latency_bench.format_result(r))

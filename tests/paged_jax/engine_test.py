@@ -521,5 +521,96 @@ class WarmupTest(absltest.TestCase):
     self.assertEqual(os.listdir(store), [])
 
 
+class StoppableRoundsTest(absltest.TestCase):
+  """Rounds as chained one-step links (`Engine(stoppable_rounds=True)`) that `step(interrupt)`
+  ends early: the same tokens as k-step scans, however the rounds are cut."""
+
+  def make(self, **sched):
+    return Engine(PARAMS, CFG, cache=CacheConfig(page_size=4, num_pages=80),
+                  scheduler=SchedulerConfig(**sched), impl="xla", stoppable_rounds=True)
+
+  def run_interrupted(self, e, prompts, params, interrupt, late=()):
+    """Steps e with `interrupt` until done; `late` (prompt, params) arrive after step 3."""
+    ids = [e.add_request(p, sp) for p, sp in zip(prompts, params)]
+    final, steps = {}, 0
+    while e.has_unfinished():
+      for o in e.step(interrupt):
+        if o.finished:
+          final[o.request_id] = o.outputs[0].token_ids
+      steps += 1
+      if steps == 3:
+        ids += [e.add_request(p, sp) for p, sp in late]
+    return [final[i] for i in ids]
+
+  def test_same_tokens_as_scan_rounds_however_cut(self):
+    greedy = SamplingParams(max_tokens=11)
+    seeded = [SamplingParams(max_tokens=9, temperature=1.0, top_k=20, seed=s) for s in range(3)]
+    params = [greedy, seeded[0], greedy, seeded[1]]
+    late = [(PROMPTS[4], seeded[2]), (PROMPTS[2], greedy)]
+    scan = make(steps_per_sync=4)
+    ref = self.run_interrupted(scan, PROMPTS[:4], params, None, late)
+    rng = np.random.default_rng(0)
+    for name, interrupt in [("never", None), ("sometimes", lambda: rng.random() < 0.4),
+                            ("always", lambda: True)]:
+      e = self.make(steps_per_sync=4)
+      got = self.run_interrupted(e, PROMPTS[:4], params, interrupt, late)
+      self.assertEqual(got, ref, name)
+      self.assertEqual({k.kind for k in e.programs}, {"step", "link"})
+      if name == "never":
+        self.assertEqual(e.stats.rounds_stopped, 0)
+        self.assertEqual(e.stats.decode_tokens, scan.stats.decode_tokens)
+      else:
+        self.assertGreater(e.stats.rounds_stopped, 0)
+      finish(self, e)
+    self.assertEqual([ref[0], ref[2], ref[5]], [dense(p, 11) for p in PROMPTS[:3:2] + [PROMPTS[2]]])
+    self.assertNotIn("link", {k.kind for k in scan.programs})
+
+  def test_interrupt_ends_the_round_after_the_links_dispatched(self):
+    e = self.make(steps_per_sync=8)
+    rid = e.add_request(PROMPTS[0], SamplingParams(max_tokens=20))
+    self.assertLen(e.step()[0].outputs[0].new_token_ids, 1)   # the prompt's step
+    asked = []
+    def interrupt():   # False before link 1, True before link 2: links 0 and 1 run
+      asked.append(True)
+      return len(asked) == 2
+    out = e.step(interrupt)
+    self.assertLen(asked, 2)
+    self.assertLen(out[0].outputs[0].new_token_ids, 2)
+    self.assertEqual((e.stats.rounds_stopped, e.stats.decode_steps, e.stats.decode_tokens),
+                     (1, 2, 2))
+    e.bm.check_invariants()
+    self.assertLen(e.step()[0].outputs[0].new_token_ids, 8)   # no interrupt: the whole round
+    ignored = make(steps_per_sync=8)   # scan rounds cannot stop: interrupt is not asked
+    ignored.add_request(PROMPTS[0], SamplingParams(max_tokens=20))
+    ignored.step()
+    self.assertLen(ignored.step(lambda: asked.append(False) or True)[0].outputs[0]
+                   .new_token_ids, 8)
+    self.assertLen(asked, 2)
+    final = [o for o in e.stream() if o.finished][0].outputs[0].token_ids
+    self.assertEqual(final, dense(PROMPTS[0], 20))
+    self.assertEqual(e.scheduler.find(rid), None)
+    finish(self, e)
+
+  def test_warmed_links_serve_without_a_compile(self):
+    import jax
+    events = []
+    watching = [False]
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, secs, **_: events.append(name) if watching[0] else None)
+    e = self.make(steps_per_sync=3, max_num_seqs=2, max_num_batched_tokens=64)
+    keys = e.warmup_programs("one_user")
+    self.assertNotIn("round", {k.kind for k in keys})
+    self.assertTrue(all(k.num_steps == 1 for k in keys if k.kind == "link"))
+    e.warmup("one_user")
+    watching[0] = True
+    rng = np.random.default_rng(1)
+    out = self.run_interrupted(e, [PROMPTS[1]], [SamplingParams(max_tokens=10)],
+                               lambda: rng.random() < 0.5)
+    watching[0] = False
+    self.assertEqual(out, [dense(PROMPTS[1], 10)])
+    self.assertEqual(e.metrics()["programs_on_demand"], 0)
+    self.assertEqual([n for n in events if "compile" in n or "trace" in n], [])
+
+
 if __name__ == "__main__":
   absltest.main()

@@ -52,6 +52,52 @@ class ServeTest(absltest.TestCase):
     self.assertEqual(r["programs_not_warmed"], 0)
     self.assertEqual(r["programs_on_demand"], 0)
 
+  def test_a_due_arrival_interrupts_the_step(self):
+    # serve() asks the engine to end a stoppable round when the next request is due: on a
+    # clock each step advances by 0.1 s, the request arriving at 0.25 s is due from 0.3 s on.
+    from unittest import mock
+    from paged_jax.host.sequence import CompletionOutput, RequestOutput
+    clock = [0.0]
+
+    class Fake:   # each request finishes after 5 steps
+      def __init__(self):
+        self.left, self.asked = {}, []
+      def validate_request(self, prompt, params):
+        pass
+      def add_request(self, prompt, params, arrival_time=None):
+        self.left[f"r{len(self.left)}"] = 5
+        return f"r{len(self.left) - 1}"
+      def has_unfinished(self):
+        return any(self.left.values())
+      def step(self, interrupt=None):
+        self.asked.append(interrupt())
+        clock[0] += 0.1
+        self.asked.append(interrupt())
+        outs = []
+        for rid in [r for r, n in self.left.items() if n]:
+          self.left[rid] -= 1
+          done = not self.left[rid]
+          outs.append(RequestOutput(rid, [1], [CompletionOutput(0, [7], [7], None, None, [], None,
+                                                                0.0, 0.0, "length" if done else None)],
+                                    done, 0.0, 0.1, 0.01, 1.0 if done else None))
+        return outs
+    fake = Fake()
+    reqs = [serve._Request([1], None, 0.0), serve._Request([2], None, 0.25)]
+    with mock.patch.object(serve.time, "perf_counter", lambda: clock[0]):
+      outs, _ = serve.serve(fake, reqs)
+    self.assertLen(outs, 2)
+    self.assertEqual(fake.asked[:6], [False, False, False, False, False, True])
+    self.assertNotIn(True, fake.asked[6:])   # once added, nothing is due
+
+  def test_stoppable_rounds_serve_the_same_tokens(self):
+    cfgs = [serve.ServeConfig(prompts=("a b c d", "e f"), page_size=4, num_pages=64,
+                              max_tokens=12, progress=False, stoppable_rounds=s)
+            for s in (False, True)]
+    runs = [serve.run(c, MODEL) for c in cfgs]
+    self.assertEqual(*[[c["token_ids"] for c in r["completions"]] for r in runs])
+    self.assertEqual(runs[1]["rounds_stopped"], 0)   # nothing arrived mid-round
+    self.assertEqual([serve.make_engine(c, *MODEL).stoppable_rounds for c in cfgs], [False, True])
+
   def test_jsonl_requests_with_their_own_settings(self):
     path = os.path.join(tempfile.mkdtemp(), "requests.jsonl")
     with open(path, "w") as f:

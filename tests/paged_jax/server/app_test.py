@@ -18,6 +18,8 @@ class FakeEngine:
     self.waiting, self.fail = waiting, fail
     self.requests = {}
     self.lock = threading.Lock()
+    self.asked = []   # what `interrupt` answered, asked before and after `on_step` ran
+    self.on_step = None
 
   def add_request(self, prompt, params, arrival_time=None):
     rid = f"r{len(self.requests)}"
@@ -30,9 +32,14 @@ class FakeEngine:
   def has_unfinished(self):
     return bool(self.requests)
 
-  def step(self):
+  def step(self, interrupt=None):
     if self.fail:
       raise RuntimeError("bookkeeping bug")
+    if self.on_step is not None:
+      self.asked.append(interrupt())
+      self.on_step()
+      self.asked.append(interrupt())
+      self.on_step = None
     outs = []
     for rid, (prompt, params, toks) in list(self.requests.items()):
       toks.append(7)
@@ -85,6 +92,17 @@ class AppTest(absltest.TestCase):
       r = client.post("/v1/completions", json={"prompt": [1], "max_tokens": 2})
       self.assertEqual(r.status_code, 503)   # refused at once, nothing queued
       self.assertIn("not running", r.json()["error"]["message"])
+
+  def test_a_queued_command_interrupts_the_engine_step(self):
+    # The engine thread asks "is a command queued?" between a stoppable round's steps: no
+    # before a request arrives, yes once one is queued (here: an abort sent mid-step).
+    engine = FakeEngine()
+    client, runner = _client(engine)
+    engine.on_step = lambda: runner.abort("r-unknown")
+    with client:
+      r = client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3})
+      self.assertEqual(r.status_code, 200, r.text)
+    self.assertEqual(engine.asked, [False, True])
 
   def test_text_prompt_without_a_tokenizer_and_chat_without_a_template(self):
     client, _ = _client(FakeEngine())
