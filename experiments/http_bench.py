@@ -17,7 +17,8 @@ errors. With --disconnect=F, a fraction F of the clients (chosen by the seed) cl
 stream after the first chunk.
 
 --servers launches each server here in turn on a free loopback port (`paged_jax`: our
-`paged_jax.server` with --server_arg flags; `vllm`: vLLM's OpenAI server from its CPU build, the
+`paged_jax.server` with --server_arg flags; `paged_jax_stoppable`: the same with
+--stoppable_rounds, for an A/B in one run; a name may repeat, to interleave; `vllm`: vLLM's OpenAI server from its CPU build, the
 venv `serve_bench` builds), both on the same Hugging Face directory (--model; a GGUF file is
 written out once as one, from the engine's dequantized f32 weights, as serve_bench does) and the
 same scheduler knobs (--max_num_seqs, --max_num_batched_tokens, --page_size, --kv_cache_gib).
@@ -57,7 +58,9 @@ import numpy as np
 FLAGS = flags.FLAGS
 
 
-SERVERS = ("paged_jax", "vllm")
+SERVERS = ("paged_jax", "paged_jax_stoppable", "vllm")
+# our server under each name: the flags it adds to --server_arg
+OURS = {"paged_jax": (), "paged_jax_stoppable": ("--stoppable_rounds",)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,7 +301,7 @@ def launch(cfg: HttpBenchConfig, server: str, model_dir: str | None):
     if model_dir is None:
       raise ValueError("servers=vllm needs --model (vLLM cannot read the embedded model)")
     return VllmServer(cfg, model_dir).start()
-  if server != "paged_jax":
+  if server not in OURS:
     raise ValueError(f"server={server!r}: one of {SERVERS}")
   from paged_jax.server.process import ServerProcess
   args = [f"--dtype={cfg.dtype}", f"--max_num_seqs={cfg.max_num_seqs}",
@@ -306,7 +309,8 @@ def launch(cfg: HttpBenchConfig, server: str, model_dir: str | None):
           f"--page_size={cfg.page_size}"]
   if model_dir is not None:
     args += [f"--model={model_dir}", f"--kv_cache_bytes={int(cfg.kv_cache_gib * 2 ** 30)}"]
-  return ServerProcess(args + list(cfg.server_args), start_timeout=900.0).start()
+  return ServerProcess(args + list(cfg.server_args) + list(OURS[server]),
+                       start_timeout=900.0).start()
 
 
 def _summary(row: dict) -> str:
@@ -378,7 +382,7 @@ def bench_one(cfg: HttpBenchConfig, url: str, base: str | None, name: str, vocab
                warmup_requests=cfg.warmup_requests, warmup_sweep=cfg.warmup_sweep,
                max_num_seqs=cfg.max_num_seqs,
                max_num_batched_tokens=cfg.max_num_batched_tokens, page_size=cfg.page_size,
-               server_args=list(cfg.server_args) if name == "paged_jax" else
+               server_args=list(cfg.server_args) + list(OURS[name]) if name in OURS else
                list(cfg.vllm_args) if name == "vllm" else [])
     rows.append(row)
     progress(_summary(row))
@@ -391,7 +395,7 @@ def plot(rows: list[dict], path: str) -> str:
   from experiments import output
   plt = output.pyplot()
   fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
-  colors = {"paged_jax": "#c33", "vllm": "#36c"}
+  colors = {"paged_jax": "#c33", "paged_jax_stoppable": "#e83", "vllm": "#36c"}
   for name in dict.fromkeys(r["server"] for r in rows):
     mine = sorted((r for r in rows if r["server"] == name), key=lambda r: r["rate"])
     rates = [r["rate"] for r in mine]
@@ -425,7 +429,7 @@ def run(cfg: HttpBenchConfig, progress=print) -> list[dict]:
     for name in cfg.servers:
       server = launch(cfg, name, model_dir)
       try:
-        ours = name == "paged_jax"
+        ours = name in OURS
         rows += bench_one(cfg, server.url, server.base if ours else None, name, vocab, progress,
                           (lambda: server.output) if ours else None)
       finally:

@@ -6,6 +6,7 @@ import math
 import os
 import shutil
 import tempfile
+from unittest import mock
 
 from absl.testing import absltest
 import pytest
@@ -55,6 +56,19 @@ class HttpBenchTest(absltest.TestCase):
       self.assertGreater(row["ttft_mean_s"], 0.0)
       for entry in row["on_demand_log"]:
         self.assertRegex(entry, r"^\('(step|round)', .*\) compiled on demand in [0-9.]+ s$")
+
+  def test_each_of_our_server_names_launches_our_server_with_its_flags(self):
+    # paged_jax_stoppable is our server with --stoppable_rounds added after --server_arg's
+    # flags (an A/B in one run); anything else is refused by name.
+    cfg = http_bench.HttpBenchConfig(server_args=("--scan_layers",))
+    with mock.patch("paged_jax.server.process.ServerProcess") as proc:
+      for name, extra in (("paged_jax", []), ("paged_jax_stoppable", ["--stoppable_rounds"])):
+        http_bench.launch(cfg, name, None)
+        args = proc.call_args.args[0]
+        self.assertEqual(args[-1 - len(extra):], ["--scan_layers"] + extra)
+        self.assertEqual(args.count("--stoppable_rounds"), len(extra))
+      with self.assertRaisesRegex(ValueError, "server='sglang'"):
+        http_bench.launch(cfg, "sglang", None)
 
   @pytest.mark.slow
   @absltest.skipUnless(os.environ.get("PAGED_JAX_VLLM_PYTHON"),
