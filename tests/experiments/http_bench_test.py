@@ -55,7 +55,7 @@ class HttpBenchTest(absltest.TestCase):
                              row["server_ttft_mean_s"], places=6)
       self.assertGreater(row["ttft_mean_s"], 0.0)
       for entry in row["on_demand_log"]:
-        self.assertRegex(entry, r"^\('(step|round)', .*\) compiled on demand in [0-9.]+ s$")
+        self.assertRegex(entry, r"^\('(step|round|link)', .*\) compiled on demand in [0-9.]+ s$")
 
   def test_each_of_our_server_names_launches_our_server_with_its_flags(self):
     # paged_jax_stoppable is our server with --stoppable_rounds added after --server_arg's
