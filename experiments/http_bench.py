@@ -18,7 +18,8 @@ stream after the first chunk.
 
 --servers launches each server here in turn on a free loopback port (`paged_jax`: our
 `paged_jax.server` with --server_arg flags; `paged_jax_stoppable`: the same with
---stoppable_rounds, for an A/B in one run; a name may repeat, to interleave; `vllm`: vLLM's
+--stoppable_rounds, for an A/B in one run; either with more flags of its own after colons,
+`paged_jax_stoppable:--links_ahead=0`; a name may repeat, to interleave; `vllm`: vLLM's
 OpenAI server from its CPU build, the venv `serve_bench` builds), all on the same Hugging Face
 directory (--model; a GGUF file is written out once as one, from the engine's dequantized f32
 weights, as serve_bench does) and the same scheduler knobs (--max_num_seqs, --max_num_batched_tokens, --page_size, --kv_cache_gib).
@@ -61,6 +62,13 @@ FLAGS = flags.FLAGS
 SERVERS = ("paged_jax", "paged_jax_stoppable", "vllm")
 # our server under each name: the flags it adds to --server_arg
 OURS = {"paged_jax": (), "paged_jax_stoppable": ("--stoppable_rounds",)}
+
+
+def our_flags(server: str) -> tuple[str, ...] | None:
+  """The flags our server named `server` adds to --server_arg ("NAME" or "NAME:FLAG:FLAG...",
+  NAME one of OURS), or None when it is not ours."""
+  name, *extra = server.split(":")
+  return OURS[name] + tuple(extra) if name in OURS else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,15 +309,16 @@ def launch(cfg: HttpBenchConfig, server: str, model_dir: str | None):
     if model_dir is None:
       raise ValueError("servers=vllm needs --model (vLLM cannot read the embedded model)")
     return VllmServer(cfg, model_dir).start()
-  if server not in OURS:
-    raise ValueError(f"server={server!r}: one of {SERVERS}")
+  if our_flags(server) is None:
+    raise ValueError(f"server={server!r}: one of {SERVERS} (ours may add flags: "
+                     f"paged_jax:--links_ahead=0)")
   from paged_jax.server.process import ServerProcess
   args = [f"--dtype={cfg.dtype}", f"--max_num_seqs={cfg.max_num_seqs}",
           f"--max_num_batched_tokens={cfg.max_num_batched_tokens}",
           f"--page_size={cfg.page_size}"]
   if model_dir is not None:
     args += [f"--model={model_dir}", f"--kv_cache_bytes={int(cfg.kv_cache_gib * 2 ** 30)}"]
-  return ServerProcess(args + list(cfg.server_args) + list(OURS[server]),
+  return ServerProcess(args + list(cfg.server_args) + list(our_flags(server)),
                        start_timeout=900.0).start()
 
 
@@ -377,12 +386,13 @@ def bench_one(cfg: HttpBenchConfig, url: str, base: str | None, name: str, vocab
       while any(leftovers(base, idle_tasks).values()) and time.monotonic() < deadline:
         time.sleep(0.1)
       row["server_holds"] = leftovers(base, idle_tasks)
+    extra = our_flags(name)
     row.update(server=name, url=url, model=model, checkpoint=cfg.model, workload=cfg.workload,
                disconnect=cfg.disconnect, max_total=cfg.max_total, dtype=cfg.dtype,
                warmup_requests=cfg.warmup_requests, warmup_sweep=cfg.warmup_sweep,
                max_num_seqs=cfg.max_num_seqs,
                max_num_batched_tokens=cfg.max_num_batched_tokens, page_size=cfg.page_size,
-               server_args=list(cfg.server_args) + list(OURS[name]) if name in OURS else
+               server_args=list(cfg.server_args) + list(extra) if extra is not None else
                list(cfg.vllm_args) if name == "vllm" else [])
     rows.append(row)
     progress(_summary(row))
@@ -429,7 +439,7 @@ def run(cfg: HttpBenchConfig, progress=print) -> list[dict]:
     for name in cfg.servers:
       server = launch(cfg, name, model_dir)
       try:
-        ours = name in OURS
+        ours = our_flags(name) is not None
         rows += bench_one(cfg, server.url, server.base if ours else None, name, vocab, progress,
                           (lambda: server.output) if ours else None)
       finally:

@@ -46,7 +46,7 @@ from paged_jax.state import NULL_PAGE, AttentionMetadata, KVPool
 
 WARMUP_SCOPES = ("one_user", "one_prompt", "all")   # `Engine.warmup_programs`, narrowest first
 DECODE_CONTEXT = 5   # prompt tokens a completion's text is decoded after (vLLM's offset: 5)
-LINKS_AHEAD = 1   # a stoppable round's links dispatched beyond the one running (`Engine._chain`)
+LINKS_AHEAD = 1   # default `links_ahead`: a stoppable round's links queued beyond the one running
 
 
 class StepFunctions(NamedTuple):
@@ -167,6 +167,10 @@ class Engine(EngineLoop):
       `step(interrupt=...)` can end a round between two steps: a request that arrives
       mid-round then waits for ~1-2 steps, not k (the server passes "a command is queued").
       The same tokens either way; one sync per round still.
+    links_ahead: with stoppable_rounds, links dispatched beyond the one running (`_chain`).
+      1 (LINKS_AHEAD) hides each link's dispatch behind the one running, and a request that
+      arrives waits for that link and the one queued; 0 makes it wait for the running link
+      only, and the device idles while the host dispatches each link.
     program_store: a directory of compiled step programs (`paged_jax.program_store`): a
       program the engine needs is loaded from it (no trace, no compile) or compiled and kept
       there, so a restarted engine loads each program (~0.1-0.2 s for SmolLM2's scanned
@@ -180,9 +184,11 @@ class Engine(EngineLoop):
                steps: StepFunctions = StepFunctions(), validate_tables: bool | None = None,
                scrub_freed_pages: bool = False, max_step_retries: int = 2, mesh=None,
                scan_layers: bool = False, stoppable_rounds: bool = False,
-               program_store: str | None = None):
+               links_ahead: int = LINKS_AHEAD, program_store: str | None = None):
     if max_step_retries < 1:
       raise ValueError(f"max_step_retries={max_step_retries} must be >= 1")
+    if isinstance(links_ahead, bool) or not isinstance(links_ahead, int) or links_ahead < 0:
+      raise ValueError(f"links_ahead={links_ahead!r} must be an int >= 0")
     if program_store and mesh is not None:
       raise ValueError("program_store with a mesh is not supported (sharded executables are "
                        "not stored): leave program_store=None on a mesh")
@@ -214,6 +220,7 @@ class Engine(EngineLoop):
     self.eos_token_ids = frozenset(_token_ids(eos_token_ids, cfg.vocab_size, "eos_token_ids"))
     self.steps = steps
     self.stoppable_rounds = bool(stoppable_rounds)
+    self.links_ahead = links_ahead
     device = (jax.devices()[0] if mesh is None else   # this process's first device of the mesh
               next(d for d in mesh.devices.flat if d.process_index == jax.process_index()))
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
@@ -591,15 +598,15 @@ class Engine(EngineLoop):
 
   def _chain(self, run, args, plan: StepPlan, interrupt) -> list:
     """Dispatches a round's links one after another, each on the last one's outputs, keeping
-    LINKS_AHEAD queued beyond the one running: link s is dispatched once link s - 1 -
-    LINKS_AHEAD is done (and `interrupt()` is False). Returns the links' samples (on the
+    `links_ahead` queued beyond the one running: link s is dispatched once link s - 1 -
+    links_ahead is done (and `interrupt()` is False). Returns the links' samples (on the
     device); self.pool is the last link's pool."""
     params, pool, state, sampling = args
     outs = []
     for s in range(plan.num_steps):
       if s:
-        if s - 1 - LINKS_AHEAD >= 0:
-          outs[s - 1 - LINKS_AHEAD].tokens.block_until_ready()
+        if s - 1 - self.links_ahead >= 0:
+          outs[s - 1 - self.links_ahead].tokens.block_until_ready()
         if interrupt is not None and interrupt():
           break
       out, pool, state, sampling = run(params, pool, state, sampling)

@@ -74,6 +74,7 @@ class ServeConfig:
   steps_per_sync: int = 4
   max_prefill_rows: int | None = None
   stoppable_rounds: bool = False
+  links_ahead: int = 1
   preemption_mode: str = "recompute"
   reservation: str = "paged"
   enable_prefix_caching: bool = True
@@ -221,7 +222,7 @@ def make_engine(cfg: ServeConfig, params, mcfg, tokenizer, eos):
   if cfg.scan_layers:
     kw["scan_layers"] = True
   if cfg.stoppable_rounds:
-    kw["stoppable_rounds"] = True
+    kw.update(stoppable_rounds=True, links_ahead=cfg.links_ahead)
   if cfg.program_store and mesh is None:   # one device: its compiled programs are kept
     kw["program_store"] = cfg.program_store
   return data_parallel.make_engine(params, mcfg, mesh=mesh, **kw)
@@ -400,7 +401,7 @@ def report(r: dict) -> str:
 
 ENGINE_FIELDS = ("page_size", "num_pages", "kv_cache_bytes", "kv_cache_fraction", "kv_dtype",
                  "kv_scales", "max_num_seqs", "max_num_batched_tokens", "steps_per_sync",
-                 "max_prefill_rows", "stoppable_rounds",
+                 "max_prefill_rows", "stoppable_rounds", "links_ahead",
                  "preemption_mode", "reservation", "enable_prefix_caching", "impl", "dtype",
                  "matmul", "seed", "warmup", "validate_tables", "scrub_freed_pages", "mesh",
                  "scan_layers")
@@ -461,6 +462,10 @@ def define_engine_flags():
   flags.DEFINE_bool("stoppable_rounds", False, "Run each decode round as chained one-step "
                     "programs that the server ends early when a request arrives (its queue "
                     "time ~1-2 steps, not steps_per_sync); the same tokens.")
+  flags.DEFINE_integer("links_ahead", 1, "With --stoppable_rounds: steps queued on the device "
+                       "beyond the one running (0: a new request waits for the running step "
+                       "only, but the device idles while each step is dispatched).",
+                       lower_bound=0)
   flags.DEFINE_enum("preemption_mode", "recompute", ["recompute", "swap"], "Preemption.")
   flags.DEFINE_enum("reservation", "paged", ["paged", "max", "pow2", "oracle"],
                     "KV allocation: paged, or a contiguous baseline of the paper driving "

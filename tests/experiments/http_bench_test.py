@@ -59,10 +59,13 @@ class HttpBenchTest(absltest.TestCase):
 
   def test_each_of_our_server_names_launches_our_server_with_its_flags(self):
     # paged_jax_stoppable is our server with --stoppable_rounds added after --server_arg's
-    # flags (an A/B in one run); anything else is refused by name.
+    # flags (an A/B in one run), and either name takes more flags after colons; anything else
+    # is refused by name.
     cfg = http_bench.HttpBenchConfig(server_args=("--scan_layers",))
     with mock.patch("paged_jax.server.process.ServerProcess") as proc:
-      for name, extra in (("paged_jax", []), ("paged_jax_stoppable", ["--stoppable_rounds"])):
+      for name, extra in (("paged_jax", []), ("paged_jax_stoppable", ["--stoppable_rounds"]),
+                          ("paged_jax_stoppable:--links_ahead=0:--seed=3",
+                           ["--stoppable_rounds", "--links_ahead=0", "--seed=3"])):
         http_bench.launch(cfg, name, None)
         args = proc.call_args.args[0]
         self.assertEqual(args[-1 - len(extra):], ["--scan_layers"] + extra)

@@ -591,6 +591,52 @@ class StoppableRoundsTest(absltest.TestCase):
     self.assertEqual(e.scheduler.find(rid), None)
     finish(self, e)
 
+  def test_links_ahead_orders_waits_and_dispatches(self):
+    # `_chain` with a fake link: before link s it waits for link s - 1 - links_ahead, then asks.
+    import types
+    log = []
+    class Tokens:
+      def __init__(self, i):
+        self.i = i
+      def block_until_ready(self):
+        log.append(("wait", self.i))
+    def run(params, pool, state, sampling):
+      log.append(("run", state))
+      return types.SimpleNamespace(tokens=Tokens(state)), pool, state + 1, sampling
+    for ahead, want in [
+        (0, ["run 0", "wait 0", "ask", "run 1", "wait 1", "ask", "run 2", "wait 2", "ask",
+             "run 3"]),
+        (1, ["run 0", "ask", "run 1", "wait 0", "ask", "run 2", "wait 1", "ask", "run 3"]),
+        (3, ["run 0", "ask", "run 1", "ask", "run 2", "ask", "run 3"])]:
+      e = self.make(steps_per_sync=4)
+      e.links_ahead = ahead
+      log.clear()
+      plan = types.SimpleNamespace(num_steps=4)
+      outs = e._chain(run, (None, "pool", 0, None), plan,
+                      lambda: log.append(("ask", None)) or False)
+      self.assertEqual([f"{a} {b}" if b is not None else a for a, b in log], want, ahead)
+      self.assertEqual((len(outs), plan.num_steps, e.pool), (4, 4, "pool"))
+      log.clear()   # stopped before link 2: links 0 and 1 ran, the plan says so
+      outs = e._chain(run, (None, "pool", 0, None), plan,
+                      lambda: sum(a == "run" for a, _ in log) == 2)
+      self.assertEqual((len(outs), plan.num_steps, e.stats.rounds_stopped), (2, 2, 1))
+
+  def test_any_links_ahead_serves_the_same_tokens(self):
+    params = [SamplingParams(max_tokens=9, temperature=1.0, top_k=20, seed=s) for s in range(3)]
+    ref = self.run_interrupted(make(steps_per_sync=4), PROMPTS[:3], params, None)
+    for ahead in (0, 2):
+      rng = np.random.default_rng(ahead)
+      e = Engine(PARAMS, CFG, cache=CacheConfig(page_size=4, num_pages=80),
+                 scheduler=SchedulerConfig(steps_per_sync=4), impl="xla",
+                 stoppable_rounds=True, links_ahead=ahead)
+      self.assertEqual(self.run_interrupted(e, PROMPTS[:3], params,
+                                            lambda: rng.random() < 0.4), ref, ahead)
+      self.assertGreater(e.stats.rounds_stopped, 0)
+    for bad in (-1, 1.5, True, "1"):
+      with self.assertRaisesRegex(ValueError, f"links_ahead={bad!r}"):
+        Engine(PARAMS, CFG, cache=CacheConfig(page_size=4, num_pages=80), impl="xla",
+               stoppable_rounds=True, links_ahead=bad)
+
   def test_warmed_links_serve_without_a_compile(self):
     import jax
     events = []
