@@ -17,9 +17,9 @@ errors. With --disconnect=F, a fraction F of the clients (chosen by the seed) cl
 stream after the first chunk.
 
 --servers launches each server here in turn on a free loopback port (`paged_jax`: our
-`paged_jax.server` with --server_arg flags; `paged_jax_stoppable`: the same with
---stoppable_rounds, for an A/B in one run; either with more flags of its own after colons,
-`paged_jax_stoppable:--links_ahead=0`; a name may repeat, to interleave; `vllm`: vLLM's
+`paged_jax.server` with --server_arg flags, stoppable rounds by default; `paged_jax_scan`:
+the same with --nostoppable_rounds, for an A/B in one run; any of ours with more flags of its
+own after colons, `paged_jax:--links_ahead=0`; a name may repeat, to interleave; `vllm`: vLLM's
 OpenAI server from its CPU build, the venv `serve_bench` builds), all on the same Hugging Face
 directory (--model; a GGUF file is written out once as one, from the engine's dequantized f32
 weights, as serve_bench does) and the same scheduler knobs (--max_num_seqs, --max_num_batched_tokens, --page_size, --kv_cache_gib).
@@ -59,9 +59,11 @@ import numpy as np
 FLAGS = flags.FLAGS
 
 
-SERVERS = ("paged_jax", "paged_jax_stoppable", "vllm")
-# our server under each name: the flags it adds to --server_arg
-OURS = {"paged_jax": (), "paged_jax_stoppable": ("--stoppable_rounds",)}
+SERVERS = ("paged_jax", "paged_jax_scan", "paged_jax_stoppable", "vllm")
+# our server under each name: the flags it adds to --server_arg (the server's own default is
+# stoppable rounds; `paged_jax_scan` runs k-step scans, `paged_jax_stoppable` says it outright)
+OURS = {"paged_jax": (), "paged_jax_scan": ("--nostoppable_rounds",),
+        "paged_jax_stoppable": ("--stoppable_rounds",)}
 
 
 def our_flags(server: str) -> tuple[str, ...] | None:
@@ -405,7 +407,7 @@ def plot(rows: list[dict], path: str) -> str:
   from experiments import output
   plt = output.pyplot()
   fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
-  colors = {"paged_jax": "#c33", "paged_jax_stoppable": "#e83", "vllm": "#36c"}
+  colors = {"paged_jax": "#c33", "paged_jax_scan": "#e83", "vllm": "#36c"}
   for name in dict.fromkeys(r["server"] for r in rows):
     mine = sorted((r for r in rows if r["server"] == name), key=lambda r: r["rate"])
     rates = [r["rate"] for r in mine]

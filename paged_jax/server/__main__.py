@@ -1,9 +1,10 @@
 """python -m paged_jax.server --model=... --port=8000: serve the OpenAI API (see the package).
 
 Flags: `paged_jax.serve`'s engine flags (model, dtype, pool size / memory budget, scheduler
-knobs, mesh, warmup, program store) plus --host, --port, --served_model_name, --max_waiting
-and --shutdown_timeout. SIGTERM (or Ctrl-C) stops accepting connections, lets open requests
-finish for up to --shutdown_timeout seconds, aborts the rest, and exits.
+knobs, mesh, warmup, program store; --stoppable_rounds on by default here) plus --host,
+--port, --served_model_name, --max_waiting and --shutdown_timeout. SIGTERM (or Ctrl-C) stops
+accepting connections, lets open requests finish for up to --shutdown_timeout seconds, aborts
+the rest, and exits.
 """
 
 from __future__ import annotations
@@ -49,6 +50,14 @@ def main(argv):
   logging.info("paged_jax.server: stopped")
 
 
-if __name__ == "__main__":
+def define_flags():
+  """`paged_jax.serve`'s engine flags with the server's own defaults: stoppable rounds on (a
+  server's requests arrive while rounds run; over HTTP they cut the queue and p90 TTFT at no
+  measured TPOT cost: results page, "Stoppable rounds"); --nostoppable_rounds for k-step scans."""
   serve.define_engine_flags()
+  flags.FLAGS.set_default("stoppable_rounds", True)
+
+
+if __name__ == "__main__":
+  define_flags()
   app.run(main)

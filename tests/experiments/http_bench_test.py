@@ -58,18 +58,19 @@ class HttpBenchTest(absltest.TestCase):
         self.assertRegex(entry, r"^\('(step|round|link)', .*\) compiled on demand in [0-9.]+ s$")
 
   def test_each_of_our_server_names_launches_our_server_with_its_flags(self):
-    # paged_jax_stoppable is our server with --stoppable_rounds added after --server_arg's
-    # flags (an A/B in one run), and either name takes more flags after colons; anything else
-    # is refused by name.
+    # paged_jax_scan / _stoppable are our server with --nostoppable_rounds / --stoppable_rounds
+    # added after --server_arg's flags (an A/B in one run), and any of our names takes more
+    # flags after colons; anything else is refused by name.
     cfg = http_bench.HttpBenchConfig(server_args=("--scan_layers",))
     with mock.patch("paged_jax.server.process.ServerProcess") as proc:
-      for name, extra in (("paged_jax", []), ("paged_jax_stoppable", ["--stoppable_rounds"]),
-                          ("paged_jax_stoppable:--links_ahead=0:--seed=3",
-                           ["--stoppable_rounds", "--links_ahead=0", "--seed=3"])):
+      for name, extra in (("paged_jax", []), ("paged_jax_scan", ["--nostoppable_rounds"]),
+                          ("paged_jax_stoppable", ["--stoppable_rounds"]),
+                          ("paged_jax:--links_ahead=0:--seed=3", ["--links_ahead=0", "--seed=3"])):
         http_bench.launch(cfg, name, None)
         args = proc.call_args.args[0]
         self.assertEqual(args[-1 - len(extra):], ["--scan_layers"] + extra)
-        self.assertEqual(args.count("--stoppable_rounds"), "--stoppable_rounds" in extra)
+        self.assertEqual([a for a in args if "stoppable" in a],
+                         [a for a in extra if "stoppable" in a])
       with self.assertRaisesRegex(ValueError, "server='sglang'"):
         http_bench.launch(cfg, "sglang", None)
 

@@ -1,5 +1,6 @@
 """The serve command's run(config) on the embedded model, and the synthetic workloads."""
 
+import dataclasses
 import json
 import math
 import os
@@ -97,6 +98,8 @@ class ServeTest(absltest.TestCase):
     self.assertEqual(*[[c["token_ids"] for c in r["completions"]] for r in runs])
     self.assertEqual(runs[1]["rounds_stopped"], 0)   # nothing arrived mid-round
     self.assertEqual([serve.make_engine(c, *MODEL).stoppable_rounds for c in cfgs], [False, True])
+    now = dataclasses.replace(cfgs[1], links_ahead=0)
+    self.assertEqual(serve.make_engine(now, *MODEL).links_ahead, 0)
 
   def test_jsonl_requests_with_their_own_settings(self):
     path = os.path.join(tempfile.mkdtemp(), "requests.jsonl")

@@ -1,6 +1,10 @@
 """The app and the engine thread in-process, over a fake engine (no model): the waiting bound
 and a failing engine loop."""
 
+import os
+import re
+import subprocess
+import sys
 import threading
 
 from absl.testing import absltest
@@ -103,6 +107,18 @@ class AppTest(absltest.TestCase):
       r = client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3})
       self.assertEqual(r.status_code, 200, r.text)
     self.assertEqual(engine.asked, [False, True])
+
+  def test_the_server_runs_stoppable_rounds_by_default(self):
+    # `python -m paged_jax.server` sets its own default; the serve command keeps scan rounds
+    # (absl's --helpfull prints every flag with its default, then exits 1).
+    def default(module):
+      out = subprocess.run([sys.executable, "-m", module, "--helpfull"], capture_output=True,
+                           text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+      (line,) = [ln for ln in out.stdout.splitlines() if "--[no]stoppable_rounds" in ln]
+      i = out.stdout.index(line)
+      return re.search(r"\(default: '(\w+)'\)", out.stdout[i:]).group(1)
+    self.assertEqual(default("paged_jax.server"), "true")
+    self.assertEqual(default("paged_jax.serve"), "false")
 
   def test_text_prompt_without_a_tokenizer_and_chat_without_a_template(self):
     client, _ = _client(FakeEngine())
