@@ -22,7 +22,8 @@ the same with --nostoppable_rounds, for an A/B in one run; any of ours with more
 own after colons, `paged_jax:--links_ahead=0`; a name may repeat, to interleave; `vllm`: vLLM's
 OpenAI server from its CPU build, the venv `serve_bench` builds), all on the same Hugging Face
 directory (--model; a GGUF file is written out once as one, from the engine's dequantized f32
-weights, as serve_bench does) and the same scheduler knobs (--max_num_seqs, --max_num_batched_tokens, --page_size, --kv_cache_gib).
+weights, as serve_bench does) and the same scheduler knobs (--max_num_seqs,
+--max_num_batched_tokens, --page_size, --kv_cache_gib).
 Before the timed rates each server gets --warmup_requests of another draw at once and, with
 --warmup_sweep, every rate once on other draws (compiling, allocating), untimed. Our rows count
 the step programs first run during the rate (`new_programs`) and those compiled, or loaded from
