@@ -212,7 +212,8 @@ def server_state(base: str) -> dict:
   import httpx
   names = ("kv_pages_in_use", "num_swap_copies", "num_open_requests", "num_requests_running",
            "num_requests_waiting", "server_asyncio_tasks", "num_programs",
-           "num_programs_on_demand", "programs_on_demand_seconds") + tuple(
+           "num_programs_on_demand", "programs_on_demand_seconds",
+           "num_rounds_stopped_total") + tuple(
                f"{h}_{part}" for h in TTFT_PARTS for part in ("sum", "count"))
   state = dict.fromkeys(names, 0.0)
   for line in httpx.get(base + "/metrics").text.splitlines():
@@ -228,7 +229,7 @@ def leftovers(base: str, idle_tasks: float) -> dict:
   state = server_state(base)
   state["tasks_over_idle"] = state.pop("server_asyncio_tasks") - idle_tasks
   for name in list(state):
-    if "program" in name or name.endswith(("_sum", "_count")):
+    if "program" in name or name.endswith(("_sum", "_count", "_total")):
       del state[name]
   return state
 
@@ -338,7 +339,8 @@ def _summary(row: dict) -> str:
              else "")
           + (f"; {row['new_programs']:g} new programs, {row['programs_on_demand']:g} of them "
              f"compiled or loaded while clients waited ({row['programs_on_demand_s']:.1f} s: "
-             f"{'; '.join(row['on_demand_log']) or '-'})" if "new_programs" in row else "")
+             f"{'; '.join(row['on_demand_log']) or '-'}), {row['rounds_stopped']:g} rounds "
+             f"stopped" if "new_programs" in row else "")
           + (f"; server holds {row['server_holds']}" if "server_holds" in row else ""))
 
 
@@ -375,6 +377,7 @@ def bench_one(cfg: HttpBenchConfig, url: str, base: str | None, name: str, vocab
       row["new_programs"] = delta("num_programs")
       row["programs_on_demand"] = delta("num_programs_on_demand")
       row["programs_on_demand_s"] = delta("programs_on_demand_seconds")
+      row["rounds_stopped"] = delta("num_rounds_stopped_total")   # ended for a command
       # the server's own TTFT and its two parts, means over the requests it finished this rate
       # (aborted ones too): client TTFT - server TTFT is the HTTP path's share
       for h, key in zip(TTFT_PARTS, ("server_ttft_mean_s", "queue_mean_s", "prefill_mean_s")):

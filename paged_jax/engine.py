@@ -176,6 +176,10 @@ class Engine(EngineLoop):
       there, so a restarted engine loads each program (~0.1-0.2 s for SmolLM2's scanned
       layers) instead of tracing and compiling it. None: off (each program is traced and
       compiled by jit on first use). Not with a mesh.
+    compiler_options: XLA options for the step programs this engine compiles (jax's
+      `Lowered.compile(compiler_options)`, e.g. {"xla_cpu_use_onednn": True}); they override
+      XLA_FLAGS for these programs only (the test suite's fast-compile flags, for one), and
+      are part of the program store's identity. None: XLA_FLAGS as they are.
   """
 
   def __init__(self, params, cfg: ModelConfig, *, cache: CacheConfig = CacheConfig(),
@@ -184,7 +188,8 @@ class Engine(EngineLoop):
                steps: StepFunctions = StepFunctions(), validate_tables: bool | None = None,
                scrub_freed_pages: bool = False, max_step_retries: int = 2, mesh=None,
                scan_layers: bool = False, stoppable_rounds: bool = False,
-               links_ahead: int = LINKS_AHEAD, program_store: str | None = None):
+               links_ahead: int = LINKS_AHEAD, program_store: str | None = None,
+               compiler_options: dict | None = None):
     if max_step_retries < 1:
       raise ValueError(f"max_step_retries={max_step_retries} must be >= 1")
     if isinstance(links_ahead, bool) or not isinstance(links_ahead, int) or links_ahead < 0:
@@ -269,6 +274,7 @@ class Engine(EngineLoop):
     self._program_origin = collections.Counter()             # "compiled" / "loaded" programs
     self._store = program_store_lib.ProgramStore(program_store) if program_store else None
     self._identity = None   # program_store.engine_identity, computed on first use
+    self.compiler_options = dict(compiler_options) if compiler_options else None
     self.stats = EngineStats()
     self._rng = np.random.default_rng(seed)
     self._swap: dict[str, tuple[np.ndarray, ...]] = {}   # request id -> host page arrays
@@ -565,9 +571,10 @@ class Engine(EngineLoop):
     compiled = self._compiled.pop(key, None)   # warmed up: no trace, no cache lookup
     if compiled is not None:
       self._compiled[key] = compiled   # the most recently used last (`_bound_maps`)
-    elif self._store is not None:   # load it, or compile and keep it
+    elif self._store is not None or self.compiler_options:   # load it, or compile and keep it
       t = time.perf_counter()
-      compiled, loaded = self._program(key, fn, args, kw)
+      with self._mesh_context():
+        compiled, loaded = self._program(key, fn, args, kw)
       waited = time.perf_counter() - t
       self._new_programs = True
       self.stats.programs_on_demand += 1
@@ -694,7 +701,7 @@ class Engine(EngineLoop):
     if self._store is not None:
       if self._identity is None:
         self._identity = program_store_lib.engine_identity(self.cfg, self.impl, self.params,
-                                                           self.pool)
+                                                           self.pool, self.compiler_options)
       path = self._store.path(self._identity, key)
       compiled = self._store.load(path)
       if compiled is not None:
@@ -702,7 +709,7 @@ class Engine(EngineLoop):
         self._program_origin["loaded"] += 1
         return compiled, True
     hits = program_store_lib.cache_hits()
-    compiled = fn.lower(*args, **kw).compile()
+    compiled = fn.lower(*args, **kw).compile(self.compiler_options)
     self._program_origin["compiled"] += 1
     if path is not None:
       if program_store_lib.cache_hits() == hits:
@@ -855,8 +862,9 @@ class Engine(EngineLoop):
     """What a server reports after every step, cheap to read (no walk over the pool): requests
     waiting / running / swapped out, pages referenced by a sequence, cached-idle and usable,
     requests whose pages are held in host memory (swap copies), the prefix cache's queried
-    and hit prompt tokens, the distinct step programs run so far, and how many programs a
-    step had to wait for (compiled, or loaded from the program store, not by `warmup`)."""
+    and hit prompt tokens, the distinct step programs run so far, how many programs a step
+    had to wait for (compiled, or loaded from the program store, not by `warmup`), and the
+    stoppable rounds that `step(interrupt)` ended early."""
     s, bm = self.scheduler, self.bm
     idle = bm.num_cached_idle_pages
     return {"waiting": len(s.waiting), "running": len(s.running), "swapped": len(s.swapped),
@@ -866,7 +874,8 @@ class Engine(EngineLoop):
             "prefix_queries_tokens": bm.prefix_queries_tokens,
             "prefix_hits_tokens": bm.prefix_hits_tokens, "preemptions": self.stats.preemptions,
             "programs": len(self.programs), "programs_on_demand": self.stats.programs_on_demand,
-            "programs_on_demand_s": self.stats.programs_on_demand_s}
+            "programs_on_demand_s": self.stats.programs_on_demand_s,
+            "rounds_stopped": self.stats.rounds_stopped}
 
 
 def _token_ids(ids: Iterable[int], vocab_size: int, what: str) -> list[int]:

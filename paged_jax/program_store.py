@@ -102,7 +102,7 @@ def source_digest(roots: tuple[str, ...] = SOURCE_ROOTS) -> str:
   return digest.hexdigest()[:16]
 
 
-def engine_identity(cfg, impl: str, params, pool) -> str:
+def engine_identity(cfg, impl: str, params, pool, compiler_options: dict | None = None) -> str:
   """A digest of what, besides the program key, decides an engine's compiled programs."""
   import jaxlib
   device = jax.devices()[0]
@@ -110,7 +110,8 @@ def engine_identity(cfg, impl: str, params, pool) -> str:
            for p, x in jax.tree_util.tree_flatten_with_path((params, pool))[0]]
   ident = repr((_FORMAT, source_digest(), cfg, impl, jax.__version__, jaxlib.__version__,
                 device.platform, device.device_kind,
-                str(jax.tree_util.tree_structure((params, pool))), avals))
+                str(jax.tree_util.tree_structure((params, pool))), avals)
+               + ((sorted(compiler_options.items()),) if compiler_options else ()))
   return hashlib.sha1(ident.encode()).hexdigest()[:16]
 
 

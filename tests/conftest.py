@@ -7,6 +7,8 @@
   and every test its 20 s) are left out by default
   (setup.cfg's `-m "not slow"`), so the README's test command runs every other check;
   `.ci/run` then runs `pytest -m slow`.
+- The slow tier hands its files to xdist's workers longest first (`SLOW_TIER_SECONDS`, measured;
+  xdist's own order, most tests first, left one worker ~180 s of work after the other finished).
 - A compilation cache across runs, for a developer's loop: PAGED_JAX_TEST_COMPILE_CACHE=DIR
   keeps every program the run compiles in DIR (JAX's persistent cache, however fast it
   compiled), inherited by xdist workers and subprocesses, so the next run reads them back
@@ -71,6 +73,16 @@ def fast_compile_flags(jaxlib_version: str) -> tuple:
   flags = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
   major_minor = tuple(int(x) for x in jaxlib_version.split(".")[:2])
   return flags + (("--xla_cpu_use_fusion_emitters=false",) if major_minor < (0, 11) else ())
+
+
+def default_compile_options(jaxlib_version: str | None = None) -> dict:
+  """The options that undo `fast_compile_flags` for one program (`Engine(compiler_options=)`):
+  XLA's own defaults, for a test whose programs run long enough that -O0 costs more than it
+  saves (SmolLM2's 30 layers: 68 s at -O0, most of it running the steps)."""
+  jaxlib_version = jaxlib_version or importlib.metadata.version("jaxlib")
+  major_minor = tuple(int(x) for x in jaxlib_version.split(".")[:2])
+  opts = {"xla_backend_optimization_level": 3, "xla_llvm_disable_expensive_passes": False}
+  return opts | ({"xla_cpu_use_fusion_emitters": True} if major_minor < (0, 11) else {})
 
 
 if os.environ.get("PAGED_JAX_TEST_FAST_COMPILE", "1") != "0":
@@ -147,6 +159,51 @@ def pytest_collection_finish(session):
 def pytest_configure(config):
   config.addinivalue_line("markers", "slow: a system test (8 simulated devices, multi-host, the "
                           "soak, the notebooks, long experiment runs); run by `pytest -m slow`")
+  if _slow_tier(config) and hasattr(config.option, "loadscopereorder"):
+    # xdist's controller hands out files in collection order (`pytest_collection_modifyitems`
+    # below), not its default of most tests first.
+    config.option.loadscopereorder = False
+
+
+# The slow tier's longest files, with their seconds (summed over their tests; the profile of
+# 2026-12-06: PAGED_JAX_TEST_PROFILE=F pytest -n 2 --dist loadfile -m slow, then
+# `python -m experiments.test_durations --profile=F --tier=slow`). The slow tier hands them out
+# longest first. xdist's default (most tests first) ran the 266-s sharding file after five
+# others, and the tier took 607 s on one worker against 429 on the other; longest first, the
+# same tests replayed on xdist's rules split 503 / 498. Files not listed follow, most tests
+# first (xdist's own order); a stale figure only costs balance, never a test.
+SLOW_TIER_SECONDS = {
+    "tests/paged_jax/sharding_test.py": 266,
+    "tests/experiments/experiments_test.py": 236,
+    "tests/paged_jax/smollm2_test.py": 159,
+    "tests/notebooks_test.py": 72,
+    "tests/paged_jax/robustness_test.py": 70,
+    "tests/paged_jax/model_test.py": 54,
+    "tests/suite_test.py": 50,
+    "tests/paged_jax/kv_quant_test.py": 41,
+    "tests/paged_jax/ondevice_test.py": 29,
+}
+
+
+def _slow_tier(config) -> bool:
+  return (config.option.markexpr or "").strip() == "slow"
+
+
+def longest_first(nodeids: list, seconds: dict) -> list:
+  """`nodeids` regrouped by file: the files in `seconds` first, longest first, then the others,
+  most tests first; each file's tests keep their order. Ties keep collection order."""
+  files: dict = {}
+  for i, nodeid in enumerate(nodeids):
+    files.setdefault(nodeid.split("::")[0], []).append(i)
+  order = sorted(files, key=lambda f: (-seconds.get(f, -1), -len(files[f])))
+  return [nodeids[i] for f in order for i in files[f]]
+
+
+def pytest_collection_modifyitems(config, items):
+  if _slow_tier(config):
+    by_id = {item.nodeid: item for item in items}
+    items[:] = [by_id[n] for n in longest_first([item.nodeid for item in items],
+                                                SLOW_TIER_SECONDS)]
 
 
 def pytest_runtest_logreport(report):

@@ -133,5 +133,24 @@ class SuiteTest(parameterized.TestCase):
       test_durations.summarize(rows, "quick")
 
 
+class LongestFirstTest(absltest.TestCase):
+  """The slow tier's file order (conftest.longest_first), in this process."""
+
+  def test_known_files_longest_first_then_most_tests_first(self):
+    import conftest   # pytest's own module for tests/conftest.py (tests/ is not a package)
+    ids = ["a.py::t1", "b.py::t1", "b.py::t2", "c.py::t1", "d.py::t1", "d.py::t2", "c.py::t2",
+           "e.py::t1"]
+    got = conftest.longest_first(ids, {"c.py": 10, "e.py": 50, "x.py": 99})
+    self.assertEqual(got, ["e.py::t1", "c.py::t1", "c.py::t2", "b.py::t1", "b.py::t2",
+                           "d.py::t1", "d.py::t2", "a.py::t1"])
+    self.assertEqual(conftest.longest_first(ids, {}), conftest.longest_first(ids, {"x.py": 1}))
+    self.assertCountEqual(got, ids)
+
+  def test_every_listed_file_exists(self):
+    import conftest
+    for path in conftest.SLOW_TIER_SECONDS:   # a renamed file would silently lose its place
+      self.assertTrue(os.path.exists(os.path.join(ROOT, path)), path)
+
+
 if __name__ == "__main__":
   absltest.main()

@@ -44,7 +44,8 @@ class Metrics:
   Gauges (set by the engine thread after every step): requests running / waiting / swapped,
   KV pages in use / cached-idle / usable and their share, swap copies in host memory, the
   prefix cache's hit rate, open server requests. Counters: prompt and generation tokens,
-  preemptions, finished requests by finish reason. Histograms: TTFT, TPOT, end-to-end.
+  preemptions, stoppable rounds ended early, finished requests by finish reason. Histograms:
+  TTFT, TPOT, end-to-end.
   """
 
   def __init__(self, model_name: str):
@@ -76,6 +77,8 @@ class Metrics:
     self.prompt_tokens = c("prompt_tokens", "Prompt tokens of finished requests.")
     self.generation_tokens = c("generation_tokens", "Tokens generated.")
     self.preemptions = c("num_preemptions", "Preemptions (swap or recompute).")
+    self.rounds_stopped = c("num_rounds_stopped", "Stoppable decode rounds ended early because "
+                            "a command (a new request, an abort) was queued.")
     self._finished = prom.Counter(PREFIX + "request_success", "Finished requests by reason.",
                                   ["model_name", "finished_reason"], registry=r)
     self._model_name = model_name
@@ -89,7 +92,7 @@ class Metrics:
                    "step.", TTFT_BUCKETS)
     self.prefill = h("request_prefill_time_seconds", "The request's first step's start to its "
                      "first token.", TTFT_BUCKETS)
-    self._preemptions_seen = 0
+    self._seen = {"preemptions": 0, "rounds_stopped": 0}   # engine totals counted so far
 
   def update(self, gauges: dict, open_requests: int) -> None:
     self.running.set(gauges["running"])
@@ -106,10 +109,12 @@ class Metrics:
     self.prefix_hit_rate.set(gauges["prefix_hits_tokens"]
                              / max(1, gauges["prefix_queries_tokens"]))
     self.open_requests.set(open_requests)
-    new = gauges["preemptions"] - self._preemptions_seen
-    if new > 0:
-      self.preemptions.inc(new)
-      self._preemptions_seen = gauges["preemptions"]
+    for name, counter in (("preemptions", self.preemptions),
+                          ("rounds_stopped", self.rounds_stopped)):
+      new = gauges.get(name, 0) - self._seen[name]
+      if new > 0:
+        counter.inc(new)
+        self._seen[name] = gauges[name]
 
   def observe(self, out: RequestOutput) -> None:
     """Counts an output's new tokens; for a finished request, its latencies and reason."""

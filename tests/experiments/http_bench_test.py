@@ -48,6 +48,7 @@ class HttpBenchTest(absltest.TestCase):
       self.assertEqual(row["programs_on_demand"], row["new_programs"])
       self.assertLen(row["on_demand_log"], row["programs_on_demand"])
       self.assertGreater(row["programs_on_demand_s"], 0.0)
+      self.assertIn("rounds stopped", lines[0])   # the server's counter, read per rate
       # the server's TTFT, split into its queue time and its prefill (its /metrics histograms)
       self.assertGreater(row["queue_mean_s"], 0.0)
       self.assertGreater(row["prefill_mean_s"], 0.0)

@@ -436,6 +436,27 @@ class WarmupTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "program_store with a mesh"):
       Engine(PARAMS, CFG, program_store=store, mesh=object())
 
+  def test_compiler_options_reach_every_step_program(self):
+    # XLA options per engine (over XLA_FLAGS): here a dump folder, which XLA fills with each
+    # step program it compiles (prefill and round). Same tokens; the store keeps them apart.
+    import os
+    import tempfile
+    from paged_jax import program_store
+    dump = tempfile.mkdtemp()
+    cfg = config.tiny_config(num_layers=1)
+    params = testing.random_params(cfg, seed=5, scale=0.3)
+    e = Engine(params, cfg, cache=CacheConfig(page_size=4, num_pages=40), impl="xla",
+               scheduler=SchedulerConfig(steps_per_sync=3, max_num_seqs=1),
+               compiler_options={"xla_dump_to": dump})
+    prompt = [5, 6, 7, 8, 9]
+    got = e.generate([prompt], SamplingParams(max_tokens=5))[0].outputs[0].token_ids
+    self.assertEqual(got, testing.DenseGreedy(params, cfg)(prompt, 5))
+    dumped = {f.split(".")[1] for f in os.listdir(dump) if f.endswith("after_optimizations.txt")}
+    self.assertEqual(dumped, {"jit_sample_step", "jit_multi_step_decode"})
+    ident = lambda opts: program_store.engine_identity(cfg, "xla", e.params, e.pool, opts)
+    self.assertNotEqual(ident({"xla_dump_to": dump}), ident(None))
+    self.assertEqual(ident({}), ident(None))
+
   def test_an_edited_source_is_compiled_again_not_loaded(self):
     # The store's identity digests the source that traces the programs: after an edit (a
     # different digest) a new engine compiles afresh instead of loading the old programs.

@@ -30,6 +30,7 @@ from paged_jax.host.scheduler import SchedulerConfig
 from paged_jax.sampling import SamplingParams
 from paged_jax.server.process import ServerProcess
 
+import conftest   # tests/conftest.py (pytest's module): the suite's compile flags
 import openai
 try:
   import torch
@@ -166,7 +167,10 @@ class SmolLM2Test(absltest.TestCase):
     engine = Engine(self.params, self.cfg, cache=CacheConfig(page_size=16, num_pages=96),
                     scheduler=SchedulerConfig(max_num_seqs=10, max_num_batched_tokens=512),
                     tokenizer=self.tok, eos_token_ids=self.chat.end_of_turn_ids, impl="xla",
-                    scan_layers=True)
+                    scan_layers=True,
+                    # XLA's defaults, not the suite's -O0 (conftest.py): 30 layers' steps run
+                    # long enough that -O0 costs more than it saves.
+                    compiler_options=conftest.default_compile_options())
     self.assertEqual(model.layer_groups(self.cfg), ((0, 1, 29), (29, 1, 1)))
     outs = engine.generate(prompts, SamplingParams(max_tokens=40))
     answers = {}

@@ -60,7 +60,7 @@ class FakeEngine:
             "pages_in_use": len(self.requests), "pages_cached_idle": 0, "pages_usable": 8,
             "swap_copies": 0, "prefix_queries_tokens": 0, "prefix_hits_tokens": 0,
             "preemptions": 0, "programs": 1, "programs_on_demand": 1,
-            "programs_on_demand_s": 0.0}
+            "programs_on_demand_s": 0.0, "rounds_stopped": sum(self.asked)}
 
 
 def _client(engine, **kw):
@@ -106,6 +106,8 @@ class AppTest(absltest.TestCase):
     with client:
       r = client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3})
       self.assertEqual(r.status_code, 200, r.text)
+      self.assertIn('paged_jax:num_rounds_stopped_total{model_name="fake"} 1.0',
+                    client.get("/metrics").text)
     self.assertEqual(engine.asked, [False, True])
 
   def test_the_server_runs_stoppable_rounds_by_default(self):
