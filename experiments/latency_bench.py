@@ -25,7 +25,9 @@ decode attention on XLA instead of the C++ CPU kernel "auto" takes on a CPU; pag
 run by default either) is our engine with its matmuls in Intel MKL (`ModelConfig.matmul`,
 `pip install -e .[mkl]`), reported against vLLM; paged_jax_stoppable (not run by default) is our
 engine with stoppable rounds (`serve --stoppable_rounds`: a round ends early when a request is
-due), reported against paged_jax. Our rows also give the queue time (arrival to the first
+due), reported against paged_jax; paged_jax_fused (not run by default) is our engine with each
+layer's q / k / v and gate / up products fused (`serve --fuse_projections`), reported against
+paged_jax. Our rows also give the queue time (arrival to the first
 step with a row of the request) p50 / p90. Output: a table,
 one JSONL line in experiments/results/latency_bench.jsonl.
 """
@@ -42,10 +44,12 @@ import numpy as np
 
 from experiments import output, serve_bench
 
-ENGINES = ("paged_jax", "paged_jax_xla", "paged_jax_mkl", "paged_jax_stoppable", "vllm")
+ENGINES = ("paged_jax", "paged_jax_xla", "paged_jax_mkl", "paged_jax_stoppable",
+           "paged_jax_fused", "vllm")
 # (ours, peer): the p50 TPOT ratios reported where both ran.
 PAIRS = (("paged_jax", "vllm"), ("paged_jax", "paged_jax_xla"), ("paged_jax_mkl", "vllm"),
-         ("paged_jax_mkl", "paged_jax"), ("paged_jax_stoppable", "paged_jax"))
+         ("paged_jax_mkl", "paged_jax"), ("paged_jax_stoppable", "paged_jax"),
+         ("paged_jax_fused", "paged_jax"))
 DEFAULT_ENGINES = ("paged_jax", "vllm")
 
 
@@ -94,24 +98,27 @@ def runs(cfg: LatencyConfig) -> list[tuple[str, int, float]]:
 
 
 def _serve_config(cfg: LatencyConfig, path: str, rate: float, num_requests: int | None = None,
-                  impl: str = "auto", stoppable_rounds: bool = False):
+                  impl: str = "auto", stoppable_rounds: bool = False,
+                  fuse_projections: bool = False):
   from paged_jax import serve
   return serve.ServeConfig(model_dir=path, workload=cfg.workload, impl=impl,
                            num_requests=cfg.num_requests if num_requests is None else num_requests,
                            request_rate=rate, seed=cfg.seed, warmup="workload", progress=False,
                            scan_layers=cfg.scan_layers, stoppable_rounds=stoppable_rounds,
+                           fuse_projections=fuse_projections,
                            page_size=cfg.page_size, steps_per_sync=cfg.steps_per_sync,
                            ignore_eos=True)
 
 
 def run_paged_jax(cfg: LatencyConfig, path: str, model, impl: str = "auto",
-                  stoppable_rounds: bool = False) -> dict:
+                  stoppable_rounds: bool = False, fuse_projections: bool = False) -> dict:
   """Each rate timed again while its run compiled a new batch shape (`models.serve_warm`):
   which shapes a run meets depends on its timing."""
   from experiments.models import serve_warm
   out = {}
   for name, n, rate in runs(cfg):
-    r = serve_warm(_serve_config(cfg, path, rate, n, impl, stoppable_rounds), model, attempts=4)
+    r = serve_warm(_serve_config(cfg, path, rate, n, impl, stoppable_rounds, fuse_projections),
+                   model, attempts=4)
     out[name] = dict(ttft_s=r["ttft_s"], tpot_s=r["tpot_s"], queue_s=r["queue_s"],
                           rounds_stopped=r["rounds_stopped"],
                           normalized_latency_s_per_token=r["normalized_latency_s_per_token"],
@@ -192,6 +199,8 @@ def run(cfg: LatencyConfig, model_dir: str | None = None, progress=print) -> dic
                             run_paged_jax(cfg, path, mkl_model) if e == "paged_jax_mkl" else
                             run_paged_jax(cfg, path, model, stoppable_rounds=True)
                             if e == "paged_jax_stoppable" else
+                            run_paged_jax(cfg, path, model, fuse_projections=True)
+                            if e == "paged_jax_fused" else
                             run_vllm(cfg, path, requests))
     progress(f"  {e}: done")
   engine_names = list(result["engines"])

@@ -176,6 +176,10 @@ class Engine(EngineLoop):
       there, so a restarted engine loads each program (~0.1-0.2 s for SmolLM2's scanned
       layers) instead of tracing and compiling it. None: off (each program is traced and
       compiled by jit on first use). Not with a mesh.
+    fuse_projections: run each layer's q / k / v products as one and gate / up as one
+      (`model.fuse_projections`: 4 products a layer instead of 7; the weights are joined once
+      here). Same model; logits within ~1e-6 (XLA may sum the longer products in another
+      order). Not with a mesh (the heads' shards would cut across the joined columns).
     compiler_options: XLA options for the step programs this engine compiles (jax's
       `Lowered.compile(compiler_options)`, e.g. {"xla_cpu_use_onednn": True}); they override
       XLA_FLAGS for these programs only (the test suite's fast-compile flags, for one), and
@@ -189,7 +193,7 @@ class Engine(EngineLoop):
                scrub_freed_pages: bool = False, max_step_retries: int = 2, mesh=None,
                scan_layers: bool = False, stoppable_rounds: bool = False,
                links_ahead: int = LINKS_AHEAD, program_store: str | None = None,
-               compiler_options: dict | None = None):
+               fuse_projections: bool = False, compiler_options: dict | None = None):
     if max_step_retries < 1:
       raise ValueError(f"max_step_retries={max_step_retries} must be >= 1")
     if isinstance(links_ahead, bool) or not isinstance(links_ahead, int) or links_ahead < 0:
@@ -201,6 +205,9 @@ class Engine(EngineLoop):
     if stacked and not scan_layers:
       raise ValueError("params are in model.stack_layers' layout: pass scan_layers=True (or "
                        "per-layer params)")
+    if fuse_projections and mesh is not None:
+      raise ValueError("fuse_projections=True with a mesh is not supported (tensor parallelism "
+                       "splits q / k / v by heads): leave it off on a mesh")
     if scan_layers and mesh is not None:
       raise ValueError("scan_layers=True with a mesh is not supported yet (the stacked params' "
                        "shardings): run the layers unrolled (scan_layers=False) on a mesh")
@@ -214,6 +221,8 @@ class Engine(EngineLoop):
       params = sharding.shard_params(params, cfg, mesh)   # checks the heads divide
     else:   # host (NumPy) params would be copied to the device by every step
       params = jax.device_put(params)
+    if fuse_projections and params is not None and not model.is_fused(params):
+      params = model.fuse_projections(params)
     if scan_layers and params is not None and not stacked:
       params = model.stack_layers(params, cfg)
     self.params, self.cfg, self.impl = params, cfg, impl

@@ -88,6 +88,7 @@ class ServeConfig:
   scrub_freed_pages: bool = False
   mesh: str = "1x1"
   scan_layers: bool = False
+  fuse_projections: bool = False
   program_store: str | None = None
   chat: bool = False
   stream: bool = False
@@ -221,6 +222,8 @@ def make_engine(cfg: ServeConfig, params, mcfg, tokenizer, eos):
             scrub_freed_pages=cfg.scrub_freed_pages)
   if cfg.scan_layers:
     kw["scan_layers"] = True
+  if cfg.fuse_projections:
+    kw["fuse_projections"] = True
   if cfg.stoppable_rounds:
     kw.update(stoppable_rounds=True, links_ahead=cfg.links_ahead)
   if cfg.program_store and mesh is None:   # one device: its compiled programs are kept
@@ -404,7 +407,7 @@ ENGINE_FIELDS = ("page_size", "num_pages", "kv_cache_bytes", "kv_cache_fraction"
                  "max_prefill_rows", "stoppable_rounds", "links_ahead",
                  "preemption_mode", "reservation", "enable_prefix_caching", "impl", "dtype",
                  "matmul", "seed", "warmup", "validate_tables", "scrub_freed_pages", "mesh",
-                 "scan_layers")
+                 "scan_layers", "fuse_projections")
 
 
 def config_from_flags(f, **fields) -> ServeConfig:
@@ -492,6 +495,9 @@ def define_engine_flags():
   flags.DEFINE_bool("scan_layers", False, "Run the layers as a lax.scan over stacked weights: "
                     "compile time stops growing with depth; unrolled (the default) reads each "
                     "weight in place, faster at small batches on a CPU.")
+  flags.DEFINE_bool("fuse_projections", False, "Each layer's q / k / v products as one and "
+                    "gate / up as one (model.fuse_projections): 4 products a layer, not 7. "
+                    "One device.")
   flags.DEFINE_string("program_store", DEFAULT_PROGRAM_STORE,
                       "Directory of compiled step programs, loaded by later runs without "
                       "tracing or compiling (paged_jax.program_store; '' = off; one device).")

@@ -453,11 +453,13 @@ class ExperimentsTest(parameterized.TestCase):
   @pytest.mark.slow   # ~10-14 s on a usual day, over 20 s on a slow one (the README tier's bound)
   def test_latency_bench_paged_jax(self):
     # Poisson arrivals at two rates through the serve command's synthetic workload; stoppable
-    # rounds (ended when a request is due) give the same greedy tokens.
+    # rounds (ended when a request is due) and fused projections give the same greedy tokens.
     r = latency_bench.run(latency_bench.LatencyConfig(
         preset="tiny", num_requests=4, rates=(20.0, 40.0),
-        engines=("paged_jax", "paged_jax_stoppable"), max_position=64, results_dir=None),
+        engines=("paged_jax", "paged_jax_stoppable", "paged_jax_fused"), max_position=64,
+        results_dir=None),
         progress=lambda *_: None)
+    self.assertIn("paged_jax_fused rate  20.0/s", latency_bench.format_result(r))
     self.assertEqual(r["identical_tokens"], {"20.0": True, "40.0": True})
     rows = r["engines"]["paged_jax"]
     for rate in ("20.0", "40.0"):

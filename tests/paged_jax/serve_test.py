@@ -10,7 +10,7 @@ from absl.testing import absltest
 import pytest
 import numpy as np
 
-from paged_jax import serve, workloads
+from paged_jax import model, serve, workloads
 
 MODEL = serve.load_model(serve.ServeConfig())
 
@@ -100,6 +100,8 @@ class ServeTest(absltest.TestCase):
     self.assertEqual([serve.make_engine(c, *MODEL).stoppable_rounds for c in cfgs], [False, True])
     now = dataclasses.replace(cfgs[1], links_ahead=0)
     self.assertEqual(serve.make_engine(now, *MODEL).links_ahead, 0)
+    fused = serve.make_engine(dataclasses.replace(cfgs[0], fuse_projections=True), *MODEL)
+    self.assertTrue(model.is_fused(fused.params))   # --fuse_projections reaches the engine
 
   def test_jsonl_requests_with_their_own_settings(self):
     path = os.path.join(tempfile.mkdtemp(), "requests.jsonl")
