@@ -421,10 +421,10 @@ FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
 def fuse_projections(params) -> dict:
   """The layers' q / k / v products as one `qkv_proj` and gate / up as one `gate_up_proj` (their
   kernels, and biases where they have them, joined along the output columns, as Phi-3's
-  checkpoints store them): a layer runs 4 products instead of 7. On a CPU each product is a
-  pass over its weights, and at a few rows the step is a series of small dependent dots
-  (SmolLM2's 30 layers at one row: 7 dots a layer 20.1 ms, 4 dots 18.1, in a scratch timing of
-  the products alone). Either layout (per-layer, or `stack_layers`' stacked leaves
+  checkpoints store them): a layer runs 4 products instead of 7. A scratch chain of SmolLM2's
+  30 layers' one-row products alone took 18.1 ms fused against 20.1 ms; whole engine steps
+  showed no gain beyond their run-to-run spread (results page, "Fused projections"), so the
+  engine leaves it off unless asked (`Engine(fuse_projections=True)`). Either layout (per-layer, or `stack_layers`' stacked leaves
   [reps, in, out]); the modules run whichever they are given. Each output column is the same
   sum of products over the same inputs; XLA may block the longer product differently, so
   logits can differ in the last bits (tested within 1e-5).
