@@ -178,8 +178,9 @@ class Engine(EngineLoop):
       compiled by jit on first use). Not with a mesh.
     fuse_projections: run each layer's q / k / v products as one and gate / up as one
       (`model.fuse_projections`: 4 products a layer instead of 7; the weights are joined once
-      here). Same model; logits within ~1e-6 (XLA may sum the longer products in another
-      order). Not with a mesh (the heads' shards would cut across the joined columns).
+      here). Same model; logits within 1e-5 (~6e-6 seen: XLA may sum the longer products in
+      another order). Not with a mesh (the heads' shards would cut across the joined columns).
+      Off by default: no measured gain in the engine here (results page).
     compiler_options: XLA options for the step programs this engine compiles (jax's
       `Lowered.compile(compiler_options)`, e.g. {"xla_cpu_use_onednn": True}); they override
       XLA_FLAGS for these programs only (the test suite's fast-compile flags, for one), and

@@ -424,8 +424,9 @@ def fuse_projections(params) -> dict:
   checkpoints store them): a layer runs 4 products instead of 7. A scratch chain of SmolLM2's
   30 layers' one-row products alone took 18.1 ms fused against 20.1 ms; whole engine steps
   showed no gain beyond their run-to-run spread (results page, "Fused projections"), so the
-  engine leaves it off unless asked (`Engine(fuse_projections=True)`). Either layout (per-layer, or `stack_layers`' stacked leaves
-  [reps, in, out]); the modules run whichever they are given. Each output column is the same
+  engine leaves it off unless asked (`Engine(fuse_projections=True)`). Either layout
+  (per-layer, or `stack_layers`' stacked leaves [reps, in, out]); the modules run whichever
+  they are given. Each output column is the same
   sum of products over the same inputs; XLA may block the longer product differently, so
   logits can differ in the last bits (tested within 1e-5).
 
