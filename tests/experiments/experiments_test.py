@@ -500,6 +500,9 @@ class ExperimentsTest(parameterized.TestCase):
     self.assertGreater(floor["kv_bytes"], 0)
     self.assertAlmostEqual(floor["tpot_s"], (floor["weight_bytes"] + floor["kv_bytes"])
                            / floor["read_bytes_per_s"])
+    # over the fastest read probe of the run: one before each engine, one at the end
+    self.assertLen(floor["read_probes"], 3)
+    self.assertEqual(floor["read_bytes_per_s"], max(floor["read_probes"]))
     self.assertEqual([n for n, _, _ in latency_bench.runs(latency_bench.LatencyConfig(
         users=(4,)))], ["4 users"])
 
