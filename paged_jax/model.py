@@ -452,10 +452,8 @@ def fuse_projections(params) -> dict:
 
 def is_fused(params) -> bool:
   """Params in `fuse_projections`' layout."""
-  found = []
-  jax.tree_util.tree_map_with_path(lambda path, _: found.append(
-      any(getattr(k, "key", None) in FUSED_PROJECTIONS for k in path)), params)
-  return any(found)
+  return any(getattr(k, "key", None) in FUSED_PROJECTIONS
+             for path, _ in jax.tree_util.tree_flatten_with_path(params)[0] for k in path)
 
 
 def is_stacked(params) -> bool:
