@@ -17,13 +17,14 @@ Paths:
   paged_xla        `paged_attention_xla`: reads K/V through shuffled block tables.
   decode_xla       `decode_attention_xla` (decode only): the same pages split into (row, key
                    block) work items, so ragged rows (--min_seq_len) cost their own length.
-  decode_cpu       `cpu_kernel.decode_attention` (decode only, CPU backend): the C++ kernel behind
-                   XLA's FFI that impl "auto" runs decode rows on, on a CPU.
+  decode_cpu       `cpu_kernel.paged_attention` on decode rows (CPU backend): the C++ kernel behind
+                   XLA's FFI that impl "auto" runs a step's rows on, on a CPU.
   prefill_xla      `prefill_attention` (prefill only): the step's own keys by causal tiles, the
-                   prefix through the block table; what a step's large prefill chunks run on a CPU.
-  prefill_cpu      `prefill_attention_cpu` (prefill only, CPU backend): every token a one-query
-                   row of the C++ kernel; what a step's small chunks run on a CPU
-                   (`attention.TOKEN_ROWS_MAX_KEYS`). Fresh prompts: --seq_lens=N --prefill_q_len=N.
+                   prefix through the block table; what prefill chunks run on where the C++
+                   kernel does not (`attention.PREFILL_ON_CPU_KERNEL`).
+  prefill_cpu      `cpu_kernel.paged_attention` on prefill chunks (CPU backend): the C++ kernel,
+                   tiles of 8 queries per (row, kv head); what a step's prefill chunks run on, on
+                   a CPU. Fresh prompts: --seq_lens=N --prefill_q_len=N.
   pallas           our Triton kernel (`pallas_kernels.paged_attention`), GPU (or --interpret).
   jax_paged        `jax.experimental.pallas.ops.gpu.paged_attention` (decode only; its pool is
                    [kv_heads, pages, page_size, head_dim], prepared once outside the timing; it has no
@@ -207,7 +208,7 @@ def implementations(cfg: BenchConfig, data: dict) -> dict[str, Callable[[dict], 
     impls["decode_xla"] = lambda d: attention.decode_attention_xla(
         d["q"], d["k_pages"], d["v_pages"], d["block_tables"], d["seq_lens"], d["cu_q_lens"])
     if cpu_kernel.unavailable_reason() is None:
-      impls["decode_cpu"] = lambda d: cpu_kernel.decode_attention(
+      impls["decode_cpu"] = lambda d: cpu_kernel.paged_attention(
           d["q"], d["k_pages"], d["v_pages"], d["block_tables"], d["seq_lens"], d["cu_q_lens"])
   if cfg.mode == "prefill":
     # The chunks' own keys (each row's last q_len), as a step has them beside its pages.
@@ -218,7 +219,7 @@ def implementations(cfg: BenchConfig, data: dict) -> dict[str, Callable[[dict], 
     impls["prefill_xla"] = lambda d: prefill_xla(d["q"], *own, d["k_pages"], d["v_pages"],
                                                  d["block_tables"], d["seq_lens"], d["cu_q_lens"])
     if cpu_kernel.unavailable_reason() is None:
-      prefill_cpu = jax.jit(attention.prefill_attention_cpu)
+      prefill_cpu = jax.jit(cpu_kernel.paged_attention)
       impls["prefill_cpu"] = lambda d: prefill_cpu(d["q"], d["k_pages"], d["v_pages"],
                                                    d["block_tables"], d["seq_lens"],
                                                    d["cu_q_lens"])

@@ -14,10 +14,10 @@ are what their padded programs cost.
 Variants, each its own engine, timed interleaved trial by trial:
 - engine: the engine as it is;
 - tiled_prefill_attention: every prefill chunk on the tiled XLA path
-  (`attention.prefill_attention`; `attention.TOKEN_ROWS_MAX_KEYS` = 0), as before small chunks
-  ran as token rows of the C++ kernel;
-- no_prefill_attention: an ablation: the prefill chunks' attention answers zeros (both of its
-  routes stood in for; decode rows keep theirs), so the difference is what that attention costs
+  (`attention.prefill_attention`; `attention.PREFILL_ON_CPU_KERNEL` = False), decode rows on
+  the C++ kernel, as before prefill chunks ran on the kernel;
+- no_prefill_attention: an ablation: the prefill chunks' attention answers zeros (decode rows
+  keep theirs, on the kernel alone), so the difference is what that attention costs
   inside the step. Its tokens are not checked.
 
 Each engine traces its programs with step functions of its own (`own_steps`): jit caches a
@@ -66,7 +66,7 @@ def _variant(name: str):
   if name == "engine":
     return contextlib.nullcontext()
   if name == "tiled_prefill_attention":
-    return mock.patch.object(attention, "TOKEN_ROWS_MAX_KEYS", 0)
+    return mock.patch.object(attention, "PREFILL_ON_CPU_KERNEL", False)
   return _no_prefill_attention()
 
 
@@ -75,7 +75,7 @@ def _no_prefill_attention():
   from paged_jax import attention
   zeros = lambda q, *args, **kwargs: jax.numpy.zeros_like(q)
   with mock.patch.object(attention, "prefill_attention", zeros), \
-       mock.patch.object(attention, "prefill_attention_cpu", zeros):
+       mock.patch.object(attention, "PREFILL_ON_CPU_KERNEL", False):   # decode rows alone
     yield
 
 

@@ -11,9 +11,9 @@ the fair baseline for benchmarks), the Pallas kernel's split merge, and `merge_s
 (output, log-sum-exp) pairs. `paged_attention` dispatches between the Pallas (Triton) kernel, on
 CUDA GPUs of compute capability >= 8.0, and the XLA paths everywhere else (`decode_attention_xla`
 for one query per row, split by (row, key block) work items; `paged_attention_xla` otherwise).
-On the CPU backend, decode rows of unquantized f32 / bf16 pages run a C++ kernel behind XLA's FFI
-instead (`cpu_kernel`: the same summaries, one pass over each row's pages), where it builds; so do
-a step's small prefill chunks, each token a one-query row (`prefill_attention_cpu`).
+On the CPU backend, unquantized f32 / bf16 pages run a C++ kernel behind XLA's FFI instead
+(`cpu_kernel`: the same summaries, one pass over each row's pages per tile of its queries), where
+it builds: a step's decode rows and prefill chunks in one call.
 
 Every path also reads quantized pages (`kv_quant.QuantizedPages`: indexing dequantizes, so the
 XLA paths' gathers do; the kernel gets the codes and scales).
@@ -52,7 +52,7 @@ __all__ = ["Summary", "block_summary", "merge_summaries", "finalize", "merge_sta
            "contiguous_attention", "validate_attention_inputs", "DEFAULT_BLOCK_TOKENS",
            "decode_attention_xla", "DECODE_BLOCK_TOKENS", "DECODE_ITEMS_PER_CHUNK",
            "decode_items_per_chunk", "cpu_kernel_applies", "token_positions",
-           "prefill_attention_cpu", "token_row_keys", "TOKEN_ROWS_MAX_KEYS"]
+           "PREFILL_ON_CPU_KERNEL"]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -61,17 +61,13 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 # score and value passes.
 DEFAULT_BLOCK_TOKENS = 64
 
-# On the CPU, a step's prefill tokens run as one-query rows of the C++ decode kernel
-# (`prefill_attention_cpu`) while the keys they read (`token_row_keys`; bounded statically by
-# prefill tokens x the table's width in keys) are at most this many (0: never). Below it the
-# kernel was 1.1-7x faster than the tiled XLA path alone on SmolLM2's heads (9 / 3 / 64), from
-# a 16-token prompt (0.03 against 0.20 ms a layer) to 256 fresh tokens (2.2 against 3.2) and
-# to 64 tokens after 960 keys (4.1 against 4.8, at this bound); the XLA path wins from 512
-# fresh tokens (9.7 against 8.3) (`experiments/attention_bench.py --modes=prefill
-# --impls=prefill_xla,prefill_cpu`). In SmolLM2's step, one prompt beside a decode row: 16
-# tokens 97.8 -> 60.9 ms, 64 tokens 153.7 -> 126.1 (`experiments/mixed_step_bench.py`; results
-# page, "Small prefill chunks on the C++ kernel").
-TOKEN_ROWS_MAX_KEYS = 65536
+# On the CPU, a step's prefill chunks run on the C++ kernel beside its decode rows, in one call
+# (where `cpu_kernel_applies`); False: on the tiled XLA path (`prefill_attention`), the baseline
+# `experiments/mixed_step_bench.py` compares against. On SmolLM2's heads (9 / 3 / 64), one layer,
+# the kernel took 0.25-0.36x the XLA path's time from 256 to 1,024 fresh tokens and for 8 chunks
+# of 128 after 128 keys (`experiments/attention_bench.py --modes=prefill
+# --impls=prefill_xla,prefill_cpu`; results page, "2026-12-07: prefill on the C++ kernel").
+PREFILL_ON_CPU_KERNEL = True
 
 
 def merge_states(o_a, lse_a, o_b, lse_b) -> tuple[jax.Array, jax.Array]:
@@ -172,8 +168,7 @@ def kernel_unavailable_reason(head_dim: int | None = None, page_size: int | None
 
 
 def cpu_kernel_applies(q, k_pages, impl: str) -> bool:
-  """Whether decode rows (and `step_attention`'s small prefill chunks) run the C++ CPU kernel
-  (`cpu_kernel`) under `impl`.
+  """Whether attention runs the C++ CPU kernel (`cpu_kernel`) under `impl`.
 
   "cpu" and "auto" use it on the CPU backend where it builds, for unquantized pages of q's
   dtype (f32 or bf16) and at most 16 query heads per kv head; quantized pages and other dtypes
@@ -201,8 +196,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
   """Ragged paged attention; dispatches to the Pallas kernel or the XLA path.
 
   `impl="auto"` runs the Triton kernel on CUDA GPUs of compute capability >= 8.0 (when the shapes
-  suit it), the C++ CPU kernel for decode (max_q_len=1) on the CPU (`cpu_kernel_applies`), and
-  the XLA path everywhere else; "xla", "pallas" and "cpu" force one. Forcing "pallas" where
+  suit it), the C++ CPU kernel on the CPU (`cpu_kernel_applies`), and the XLA path everywhere
+  else; "xla", "pallas" and "cpu" force one. Forcing "pallas" where
   it cannot run compiled raises a ValueError saying why, unless `interpret=True` (Pallas' CPU
   interpreter, for tests); so does "cpu" where the CPU kernel cannot build. Arguments are those
   of `paged_attention_xla` (`k_pages` / `v_pages` may be `kv_quant.QuantizedPages`: every path
@@ -233,11 +228,11 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
         q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens,
         block_sizes=block_sizes or kernel_triton.BlockSizes(), interpret=interpret,
         precision=precision, **kw, **quant)
+  if cpu_kernel_applies(q, k_pages, impl):
+    kw.pop("max_q_len")
+    return cpu_kernel.paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, **kw)
   if max_q_len == 1:   # decode rows: split by key block, not padded to the longest row
     kw.pop("max_q_len")
-    if cpu_kernel_applies(q, k_pages, impl):
-      return cpu_kernel.decode_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens,
-                                         **kw)
     return decode_attention_xla(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens,
                                 pages_per_block=pages_per_block, **kw)
   return paged_attention_xla(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens,
@@ -542,43 +537,6 @@ def token_positions(seq_lens, cu_q_lens, tokens):
   return row, seq_lens[row] - q_lens[row] + tokens - cu_q_lens[row]
 
 
-def token_row_keys(seq_lens, cu_q_lens):
-  """f32[] keys `prefill_attention_cpu` reads for these rows (per kv head): a row of q_len n
-  ending at seq_len s reads s - n + 1, ..., s keys, n * s - n * (n - 1) / 2 in all."""
-  n = (cu_q_lens[1:] - cu_q_lens[:-1]).astype(jnp.float32)
-  return jnp.sum(n * seq_lens.astype(jnp.float32) - n * (n - 1) / 2)
-
-
-def prefill_attention_cpu(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
-                          scale: float | None = None, sliding_window: int | None = None,
-                          soft_cap: float | None = None):
-  """Prefill chunks on the C++ CPU kernel: every token a one-query row over its own row's pages.
-
-  Token t of row b attends to keys 0..position(t) of b (its prefix and the chunk's keys up to
-  itself), so each token is a decode row of `position + 1` keys through b's block table, and
-  the kernel's one pass per (token, kv head) needs no tiles, sort or scatter. It reads
-  sum(position + 1) keys (`token_row_keys`), so it suits chunks of few tokens: `step_attention`
-  bounds it by TOKEN_ROWS_MAX_KEYS. This step's K/V must already be in the pages.
-
-  Args:
-    q: dtype[num_tokens, num_q_heads, head_dim], ragged by cu_q_lens; tokens past
-      cu_q_lens[-1] are padding.
-    k_pages, v_pages: dtype[num_pages, page_size, num_kv_heads, head_dim] (one layer).
-    block_tables: i32[num_seqs, max_pages_per_seq]; seq_lens: i32[num_seqs];
-      cu_q_lens: i32[num_seqs + 1].
-    scale, sliding_window, soft_cap: as in `paged_attention_xla`.
-
-  Returns:
-    dtype[num_tokens, num_q_heads, head_dim]; zeros for padding tokens.
-  """
-  tokens = jnp.arange(q.shape[0], dtype=jnp.int32)
-  row, position = token_positions(seq_lens, cu_q_lens, tokens)
-  lens = jnp.where(tokens < cu_q_lens[-1], position + 1, 0).astype(jnp.int32)
-  return cpu_kernel.decode_attention(q, k_pages, v_pages, block_tables[row], lens,
-                                     jnp.arange(q.shape[0] + 1, dtype=jnp.int32),
-                                     scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
-
-
 def prefill_attention(q, k, v, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
                       max_q_len: int, scale: float | None = None,
                       sliding_window: int | None = None, soft_cap: float | None = None,
@@ -626,13 +584,11 @@ def step_attention(q, k, v, k_pages, v_pages, block_tables, seq_lens, cu_q_lens,
   """Attention for one model step whose K/V are already written into the pages.
 
   Rows 0..num_decode-1 are decode rows, one query each at tokens 0..num_decode-1; the rows after
-  them are prefill chunks (ragged). The Pallas kernel takes the whole batch in one launch. The XLA
-  path runs decode rows with max_q_len=1 through `decode_attention_xla` (or the C++ CPU kernel,
-  `cpu_kernel_applies`) and prefill rows through `prefill_attention`, so no decode row is
-  padded to a prefill chunk's length. Where the C++ kernel takes the decode rows, prefill
-  chunks whose token rows read at most TOKEN_ROWS_MAX_KEYS keys run as one-query rows of it too
-  (`prefill_attention_cpu`): always when prefill tokens x the table's width in keys is within
-  the bound, else as the step's rows decide when it runs (`lax.cond` on `token_row_keys`).
+  them are prefill chunks (ragged). The Pallas kernel takes the whole batch in one launch, and so
+  does the C++ CPU kernel where it applies (`cpu_kernel_applies`; prefill chunks too while
+  PREFILL_ON_CPU_KERNEL). The XLA path runs decode rows with max_q_len=1 through
+  `decode_attention_xla` and prefill rows through `prefill_attention`, so no decode row is
+  padded to a prefill chunk's length.
 
   Args:
     q: dtype[num_tokens, num_q_heads, head_dim]; k, v: dtype[num_tokens, num_kv_heads, head_dim].
@@ -654,24 +610,17 @@ def step_attention(q, k, v, k_pages, v_pages, block_tables, seq_lens, cu_q_lens,
                            max_q_len=max(max_q_len, 1), impl=impl, **kw)
   d = num_decode
   on_cpu = cpu_kernel_applies(q, k_pages, impl)
+  if on_cpu and (PREFILL_ON_CPU_KERNEL or q.shape[0] == d):
+    return cpu_kernel.paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens,
+                                      **kw)
   parts = []
   if d:
-    decode = cpu_kernel.decode_attention if on_cpu else decode_attention_xla
+    decode = cpu_kernel.paged_attention if on_cpu else decode_attention_xla
     parts.append(decode(q[:d], k_pages, v_pages, block_tables[:d], seq_lens[:d],
                         jnp.arange(d + 1, dtype=jnp.int32), **kw))
   if q.shape[0] > d:
-    rows = (q[d:], k_pages, v_pages, block_tables[d:], seq_lens[d:], cu_q_lens[d:] - d)
-    tiled = lambda _: prefill_attention(q[d:], k[d:], v[d:], *rows[1:], max_q_len=max_q_len,
-                                        **kw)
-    token_rows = lambda _: prefill_attention_cpu(*rows, **kw)
-    widest = block_tables.shape[1] * k_pages.shape[1]   # keys a row's table can hold
-    if not on_cpu or TOKEN_ROWS_MAX_KEYS <= 0:
-      parts.append(tiled(None))
-    elif (q.shape[0] - d) * widest <= TOKEN_ROWS_MAX_KEYS:   # bounded whatever the rows hold
-      parts.append(token_rows(None))
-    else:   # the keys the token rows would read, known when the step runs
-      parts.append(jax.lax.cond(token_row_keys(*rows[4:]) <= TOKEN_ROWS_MAX_KEYS, token_rows,
-                                tiled, None))
+    parts.append(prefill_attention(q[d:], k[d:], v[d:], k_pages, v_pages, block_tables[d:],
+                                   seq_lens[d:], cu_q_lens[d:] - d, max_q_len=max_q_len, **kw))
   return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
 

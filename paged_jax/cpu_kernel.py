@@ -1,12 +1,15 @@
-"""Paged decode attention on the CPU as a C++ kernel behind XLA's FFI (`attention` impl "cpu").
+"""Paged attention on the CPU as a C++ kernel behind XLA's FFI (`attention` impl "cpu").
 
 XLA:CPU runs `attention.decode_attention_xla`'s block work as hundreds of tiny batched dots a
 layer (a group of 3 query heads against 32 keys of 64 dims each), at 4-5 GB/s of K/V where
-the machine reads 25-45 GB/s. This kernel (`cpu_kernel.cc`, beside this file) walks each row's
-pages once per (row, kv head), scores the whole query group against each key as it reads it,
-and merges the softmax online page by page with the seeds' section 11 rule, in f32, over XLA's
-intra-op thread pool. One query per row: `attention.prefill_attention_cpu` runs a step's small
-prefill chunks on it as one row per token; larger chunks stay on the XLA path.
+the machine reads 25-45 GB/s, and the tiled prefill path (`attention.prefill_attention`) as
+small batched dots with gathers, sorts and scatters around them. This kernel (`cpu_kernel.cc`,
+beside this file) takes a whole step's ragged causal rows, decode rows and prefill chunks
+alike: one work unit is (row, tile of up to 8 of its queries, kv head); it walks the row's
+pages once, scores the tile's query vectors (tokens x the query heads of the kv head) against
+each chunk of up to 16 keys, masks what each query may not see (causal, sliding window), and
+merges the softmax online with the seeds' section 11 rule, in f32 (exp by glibc's vector
+libmvec), over XLA's intra-op thread pool.
 
 The source is compiled on first use with the system C++ compiler (`$CXX`, else `c++`) against
 the headers jaxlib ships (`jax.ffi.include_dir()`), `-O3 -march=native`, into
@@ -17,7 +20,7 @@ a CPU backend), `unavailable_reason()` says why, `attention`'s impl="cpu" raises
 quoting it, and impl="auto" takes the XLA path.
 
 Exactness: the same f32 summary arithmetic as the XLA path in another summation order; the
-tests compare it against `decode_attention_xla` and the dense reference
+tests compare it against the XLA paths and the dense reference
 (tests/paged_jax/cpu_kernel_test.py).
 """
 
@@ -39,13 +42,15 @@ import numpy as np
 from pallas_kernels.paged_attention.reference import check_static_args
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernel.cc")
-TARGET = "paged_jax_decode_attention"
+TARGET = "paged_jax_cpu_attention"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC",
          "-w")   # -w: jaxlib's FFI headers warn under g++ 12
-# Work units ((row, kv head) pairs) per thread before a second thread is asked to help: below
-# this, scheduling a pool task costs more than it saves (one user is 3 units on SmolLM2).
+# Query tokens x kv heads per thread before a second thread is asked to help: below this,
+# scheduling a pool task costs more than it saves (one user is 3 on SmolLM2).
 MIN_UNITS_PER_THREAD = 8
 MAX_GROUP = 16   # query heads per kv head at most (cpu_kernel.cc's kMaxGroup)
+# glibc's vector math library, for the kernel's exp (cpu_kernel.cc's Exp16) on x86-64.
+LINK = ("-lmvec",) if platform.machine().lower() in ("x86_64", "amd64") else ()
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
@@ -82,7 +87,7 @@ def library_path(compiler: str, source: str = SOURCE, extra: tuple[str, ...] = (
 
 
 def build(compiler: str, source: str = SOURCE, extra: tuple[str, ...] = ()) -> str:
-  """Compiles `source` (default: the decode kernel) against jaxlib's FFI headers, with `extra`
+  """Compiles `source` (default: the attention kernel) against jaxlib's FFI headers, with `extra`
   flags after it (include dirs, libraries), unless cached; returns the library's path. Raises
   RuntimeError with the compiler's message when it fails. `matmul.py` builds its MKL call here."""
   path = library_path(compiler, source, extra)
@@ -118,7 +123,7 @@ def load(source: str, symbol: str, target: str, extra: tuple[str, ...] = ()) -> 
 @functools.cache
 def _load() -> str | None:
   """Builds, loads and registers the kernel once per process; None on success, else why not."""
-  return load(SOURCE, "PagedJaxDecodeAttention", TARGET)
+  return load(SOURCE, "PagedJaxAttention", TARGET, LINK)
 
 
 def unavailable_reason(device: jax.Device | None = None) -> str | None:
@@ -135,7 +140,7 @@ def unsupported(q, k_pages) -> str | None:
   at most MAX_GROUP query heads per kv head."""
   dtype = jnp.dtype(q.dtype)
   if dtype not in _DTYPES or k_pages.dtype != dtype:
-    return (f"the CPU decode kernel takes f32 or bf16 q and pages of one dtype; got q {q.dtype}, "
+    return (f"the CPU attention kernel takes f32 or bf16 q and pages of one dtype; got q {q.dtype}, "
             f"k_pages {k_pages.dtype}")
   num_q_heads, num_kv_heads = q.shape[1], k_pages.shape[2]
   if num_q_heads % num_kv_heads == 0 and num_q_heads // num_kv_heads > MAX_GROUP:
@@ -144,33 +149,39 @@ def unsupported(q, k_pages) -> str | None:
   return None
 
 
-def decode_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
-                     scale: float | None = None, sliding_window: int | None = None,
-                     soft_cap: float | None = None, return_lse: bool = False,
-                     min_units_per_thread: int = MIN_UNITS_PER_THREAD):
-  """`attention.decode_attention_xla`'s contract, run by the C++ kernel.
+def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
+                    scale: float | None = None, sliding_window: int | None = None,
+                    soft_cap: float | None = None, return_lse: bool = False,
+                    min_units_per_thread: int = MIN_UNITS_PER_THREAD):
+  """`attention.paged_attention_xla`'s contract (ragged causal rows), run by the C++ kernel.
+
+  Row r's queries are tokens cu_q_lens[r] .. cu_q_lens[r + 1] - 1, at positions
+  seq_lens[r] - q_len[r], ..., seq_lens[r] - 1; each attends to keys 0..its position of the row
+  (within the sliding window), read through the block table. Decode rows (q_len 1) and prefill
+  chunks (after a cached prefix or not) mix freely; no bound on q_len is needed. This step's
+  K/V must already be in the pages.
 
   Args:
-    q: dtype[num_tokens, num_q_heads, head_dim], at most one query per row (row r's at token
-      cu_q_lens[r], position seq_lens[r] - 1); dtype f32 or bf16, the pages' dtype.
+    q: dtype[num_tokens, num_q_heads, head_dim], ragged by cu_q_lens; dtype f32 or bf16, the
+      pages' dtype.
     k_pages, v_pages: dtype[num_pages, page_size, num_kv_heads, head_dim] (one layer).
     block_tables: i32[num_seqs, max_pages_per_seq]; seq_lens: i32[num_seqs];
       cu_q_lens: i32[num_seqs + 1].
-    min_units_per_thread: (row, kv head) units per thread before another thread helps (0: one
-      thread).
+    min_units_per_thread: query tokens x kv heads per thread before another thread helps (0:
+      one thread).
 
   Returns:
     dtype[num_tokens, num_q_heads, head_dim] (and f32[num_tokens, num_q_heads] lse if asked);
-    zeros (lse -inf) for tokens of no row and rows with no visible key.
+    zeros (lse -inf) for tokens of no row and queries with no visible key.
   """
   reason = unavailable_reason()
   if reason is not None:
-    raise ValueError(f"the CPU decode kernel cannot run here: {reason}")
+    raise ValueError(f"the CPU attention kernel cannot run here: {reason}")
   why = unsupported(q, k_pages)
   if why:
     raise ValueError(why)
   dtype = jnp.dtype(q.dtype)
-  check_static_args(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, max_q_len=1,
+  check_static_args(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens,
                     sliding_window=sliding_window, soft_cap=soft_cap)   # what every path checks
   if k_pages.ndim != 4 or block_tables.ndim != 2:
     raise ValueError(f"k_pages must be [num_pages, page_size, num_kv_heads, head_dim] and "

@@ -513,11 +513,11 @@ class ExperimentsTest(parameterized.TestCase):
     # the tiled path alone, the ablation neither; the three in one run both. Loading the
     # checkpoint (an eval_shape of the model on the XLA path) is not counted.
     from unittest import mock
-    from paged_jax import attention, checkpoint
+    from paged_jax import attention, checkpoint, cpu_kernel
     traced, loading = [], []
 
     def spy(name, real):
-      return lambda *a, **k: ((None if loading else traced.append(name)), real(*a, **k))[1]
+      return lambda *a, **k: ((None if loading else traced.append(name(a[0]))), real(*a, **k))[1]
 
     def load(*a, real=checkpoint.load_checkpoint, **k):
       loading.append(1)
@@ -530,18 +530,22 @@ class ExperimentsTest(parameterized.TestCase):
     seen = {}
     for variant in (None,) + mixed_step_bench.VARIANTS:
       traced.clear()
-      with mock.patch.object(attention, "prefill_attention_cpu",
-                             spy("rows", attention.prefill_attention_cpu)), \
+      # The kernel's calls with more than 16 tokens hold the 16-token prompt (decode rows alone
+      # are at most 8, their bucket).
+      with mock.patch.object(cpu_kernel, "paged_attention",
+                             spy(lambda q: "kernel" if q.shape[0] > 16 else "decode",
+                                 cpu_kernel.paged_attention)), \
            mock.patch.object(attention, "prefill_attention",
-                             spy("tiled", attention.prefill_attention)), \
+                             spy(lambda q: "tiled", attention.prefill_attention)), \
            mock.patch.object(checkpoint, "load_checkpoint", load):
         run = mixed_step_bench.run(dataclasses.replace(
             cfg, variants=(variant,) if variant else mixed_step_bench.VARIANTS),
             progress=lambda _: None)
       seen[variant] = set(traced)
       r = run if variant is None else r
-    self.assertEqual(seen, {None: {"rows", "tiled"}, "engine": {"rows"},
-                            "tiled_prefill_attention": {"tiled"}, "no_prefill_attention": set()})
+    self.assertEqual(seen, {None: {"kernel", "decode", "tiled"}, "engine": {"kernel", "decode"},
+                            "tiled_prefill_attention": {"decode", "tiled"},
+                            "no_prefill_attention": {"decode"}})
     self.assertEqual([(x["decode_rows"], x["prompt_tokens"], x["variant"]) for x in r["rows"]],
                      [(2, 16, v) for v in mixed_step_bench.VARIANTS])
     self.assertTrue(all(len(x["ms_all"]) == 2 and x["ms"] > 0 for x in r["rows"]))

@@ -1,5 +1,6 @@
-"""The C++ CPU decode kernel (`paged_jax.cpu_kernel`): exactness against the float64 oracle and the
-XLA decode path, its dtypes, threads and clamps, the dispatcher's choice, its build, the engine."""
+"""The C++ CPU attention kernel (`paged_jax.cpu_kernel`): exactness against the float64 oracle and
+the XLA paths (decode rows and prefill chunks), its dtypes, threads and clamps, the dispatcher's
+choice, its build, the engine."""
 
 import os
 import tempfile
@@ -38,7 +39,7 @@ class ExactnessTest(parameterized.TestCase):
     inp = testing.random_paged_inputs(13, seq_lens, q_lens=q_lens, page_size=4, num_kv_heads=2,
                                       q_per_kv=2, pad_tokens=2)
     kw = dict(sliding_window=window, soft_cap=2.5 if window in (3, 100) else None, scale=0.3)
-    out, lse = cpu_kernel.decode_attention(*inp, return_lse=True, min_units_per_thread=threads,
+    out, lse = cpu_kernel.paged_attention(*inp, return_lse=True, min_units_per_thread=threads,
                                            **kw)
     np.testing.assert_allclose(np.asarray(out, np.float64), testing.naive_paged_attention(*inp, **kw),
                                **F32)
@@ -55,39 +56,46 @@ class ExactnessTest(parameterized.TestCase):
       dict(head_dim=16, heads=(16, 1), page_size=1),     # the largest group, one-token pages
   )
   def test_head_layouts(self, head_dim, heads, page_size):
+    # Decode rows, then prefill chunks: one past a tile (16 queries where the group is odd, 8
+    # where even) after a prefix, a fresh prompt of several tiles and key chunks (32 keys).
     q_heads, kv_heads = heads
-    inp = testing.random_paged_inputs(5, [1, page_size, 3 * page_size + 1, 70], page_size=page_size,
+    inp = testing.random_paged_inputs(5, [1, page_size, 3 * page_size + 1, 70, 30, 75],
+                                      q_lens=[1, 1, 1, 1, 17, 75], page_size=page_size,
                                       num_kv_heads=kv_heads, q_per_kv=q_heads // kv_heads,
                                       head_dim=head_dim)
     for threads in (0, 1):
-      out = cpu_kernel.decode_attention(*inp, min_units_per_thread=threads)
+      out = cpu_kernel.paged_attention(*inp, min_units_per_thread=threads)
       np.testing.assert_allclose(np.asarray(out, np.float64), testing.naive_paged_attention(*inp),
                                  **F32)
 
-  @parameterized.product(window=(None, 1, 3, 6), dtype=(jnp.float32, jnp.bfloat16))
-  def test_prefill_chunks_as_token_rows_match_the_oracle(self, window, dtype):
-    # Chunks after prefixes (one key, a page and a bit), fresh prompts (one token, two pages),
-    # a row with no query, a one-token chunk, two padding tokens.
-    seq_lens = [6, 9, 1, 5, 8, 3]
-    q_lens = [5, 4, 1, 0, 8, 1]
-    inp = testing.random_paged_inputs(21, seq_lens, q_lens=q_lens, page_size=4, num_kv_heads=2,
-                                      q_per_kv=3, pad_tokens=2, dtype=dtype)
-    kw = dict(sliding_window=window, soft_cap=2.5 if window in (3, None) else None, scale=0.3)
-    out = attention.prefill_attention_cpu(*inp, **kw)
-    self.assertEqual(out.dtype, dtype)
-    np.testing.assert_allclose(np.asarray(out, np.float64), testing.naive_paged_attention(*inp, **kw),
-                               **(F32 if dtype == jnp.float32 else BF16))
-    np.testing.assert_array_equal(np.asarray(out[-2:], np.float32), 0)   # padding tokens
-
-  def test_token_row_keys(self):
-    # Rows of 2 queries after 3 keys, none, 3 fresh: (3 + 1) + (4 + 1) and 1 + 2 + 3 keys.
-    self.assertEqual(float(attention.token_row_keys(jnp.asarray([5, 4, 3]),
-                                                    jnp.asarray([0, 2, 2, 5]))), 15)
+  @parameterized.product(window=(None, 1, 3, 6, 40), dtype=(jnp.float32, jnp.bfloat16),
+                         threads=(0, 1))
+  def test_prefill_chunks_match_the_oracle(self, window, dtype, threads):
+    # Chunks after prefixes (one key, a page and a bit, 40 keys), fresh prompts (one token, two
+    # pages, 37 tokens: three tiles of 16), a row with no query, one-token chunks, two padding
+    # tokens; SmolLM2's group of 3 (key-major scores) and a group of 2.
+    seq_lens = [6, 9, 1, 5, 8, 3, 60, 37]
+    q_lens = [5, 4, 1, 0, 8, 1, 20, 37]
+    for q_per_kv in (3, 2):
+      inp = testing.random_paged_inputs(21, seq_lens, q_lens=q_lens, page_size=4, num_kv_heads=2,
+                                        q_per_kv=q_per_kv, pad_tokens=2, dtype=dtype)
+      kw = dict(sliding_window=window, soft_cap=2.5 if window in (3, None) else None, scale=0.3)
+      out, lse = cpu_kernel.paged_attention(*inp, return_lse=True, min_units_per_thread=threads,
+                                            **kw)
+      self.assertEqual(out.dtype, dtype)
+      np.testing.assert_allclose(np.asarray(out, np.float64),
+                                 testing.naive_paged_attention(*inp, **kw),
+                                 **(F32 if dtype == jnp.float32 else BF16))
+      np.testing.assert_array_equal(np.asarray(out[-2:], np.float32), 0)   # padding tokens
+      self.assertTrue(np.all(np.isneginf(np.asarray(lse[-2:]))))
+      if dtype == jnp.float32:   # the same log-sum-exp as the XLA path
+        _, lse_xla = attention.paged_attention_xla(*inp, max_q_len=37, return_lse=True, **kw)
+        np.testing.assert_allclose(np.asarray(lse[:-2]), np.asarray(lse_xla[:-2]), **F32)
 
   def test_bf16_reads_bf16_and_returns_bf16(self):
     inp = testing.random_paged_inputs(3, [5, 40, 17], page_size=4, dtype=jnp.bfloat16,
                                       pad_tokens=1)
-    out, lse = cpu_kernel.decode_attention(*inp, return_lse=True)
+    out, lse = cpu_kernel.paged_attention(*inp, return_lse=True)
     self.assertEqual((out.dtype, lse.dtype), (jnp.bfloat16, jnp.float32))
     xla = attention.decode_attention_xla(*inp)
     chex.assert_trees_all_close(out.astype(jnp.float32), xla.astype(jnp.float32), **BF16)
@@ -100,7 +108,7 @@ class ExactnessTest(parameterized.TestCase):
     # random_paged_inputs poisons NULL_PAGE, free pages and every slot past a row's length with
     # NaN: reading any of them would make the row NaN.
     inp = testing.random_paged_inputs(9, [7, 1, 30], page_size=8, num_free_pages=4)
-    out = cpu_kernel.decode_attention(*inp, sliding_window=5)
+    out = cpu_kernel.paged_attention(*inp, sliding_window=5)
     self.assertFalse(np.isnan(np.asarray(out)).any())
 
   def test_bad_page_ids_and_lengths_are_clamped_like_the_gather(self):
@@ -111,7 +119,7 @@ class ExactnessTest(parameterized.TestCase):
     bad = inp.block_tables.at[0, 0].set(num_pages + 50).at[1, 1].set(-7)
     clamped = jnp.clip(bad, 0, num_pages - 1)
     lens = inp.seq_lens.at[1].set(10_000)
-    got = cpu_kernel.decode_attention(inp.q, inp.k_pages, inp.v_pages, bad, lens, inp.cu_q_lens)
+    got = cpu_kernel.paged_attention(inp.q, inp.k_pages, inp.v_pages, bad, lens, inp.cu_q_lens)
     width = inp.block_tables.shape[1] * 4
     want = testing.naive_paged_attention(inp.q, inp.k_pages, inp.v_pages, clamped,
                                          jnp.minimum(lens, width), inp.cu_q_lens)
@@ -122,7 +130,7 @@ class ExactnessTest(parameterized.TestCase):
 
     @jax.jit
     def f(q, k, v):
-      return 2.0 * cpu_kernel.decode_attention(q * 1.0, k, v, *inp[3:]) + 1.0
+      return 2.0 * cpu_kernel.paged_attention(q * 1.0, k, v, *inp[3:]) + 1.0
 
     np.testing.assert_allclose(np.asarray(f(*inp[:3]), np.float64),
                                2.0 * testing.naive_paged_attention(*inp) + 1.0, **F32)
@@ -130,76 +138,68 @@ class ExactnessTest(parameterized.TestCase):
   def test_refusals_name_the_value(self):
     inp = testing.random_paged_inputs(1, [5], page_size=4)
     with self.assertRaisesRegex(ValueError, "f32 or bf16 q and pages of one dtype; got q float16"):
-      cpu_kernel.decode_attention(inp.q.astype(jnp.float16), *inp[1:])
+      cpu_kernel.paged_attention(inp.q.astype(jnp.float16), *inp[1:])
     with self.assertRaisesRegex(ValueError, "k_pages bfloat16"):
-      cpu_kernel.decode_attention(inp.q, inp.k_pages.astype(jnp.bfloat16), *inp[2:])
+      cpu_kernel.paged_attention(inp.q, inp.k_pages.astype(jnp.bfloat16), *inp[2:])
     many = testing.random_paged_inputs(1, [5], page_size=4, num_kv_heads=1, q_per_kv=17)
     with self.assertRaisesRegex(ValueError, "num_q_heads=17 over num_kv_heads=1: at most 16"):
-      cpu_kernel.decode_attention(*many)
+      cpu_kernel.paged_attention(*many)
     # What every path checks (`check_static_args`), before anything reaches the C++ side.
     with self.assertRaisesRegex(ValueError, "k and v shapes differ"):
-      cpu_kernel.decode_attention(inp.q, inp.k_pages, inp.v_pages[:-1], *inp[3:])
+      cpu_kernel.paged_attention(inp.q, inp.k_pages, inp.v_pages[:-1], *inp[3:])
     with self.assertRaisesRegex(ValueError, "block_tables must be int32; got int16"):
-      cpu_kernel.decode_attention(*inp[:3], inp.block_tables.astype(jnp.int16), *inp[4:])
+      cpu_kernel.paged_attention(*inp[:3], inp.block_tables.astype(jnp.int16), *inp[4:])
     with self.assertRaisesRegex(ValueError, "sliding_window=0 must be >= 1"):
-      cpu_kernel.decode_attention(*inp, sliding_window=0)
-    o, lse = cpu_kernel.decode_attention(inp.q[:0], *inp[1:5], jnp.zeros(2, jnp.int32),
+      cpu_kernel.paged_attention(*inp, sliding_window=0)
+    o, lse = cpu_kernel.paged_attention(inp.q[:0], *inp[1:5], jnp.zeros(2, jnp.int32),
                                          return_lse=True)
     self.assertEqual((o.shape, lse.shape), ((0, 4, 16), (0, 4)))
 
 
 class DispatchTest(absltest.TestCase):
 
-  def test_auto_and_cpu_take_the_kernel_for_decode_rows_only(self):
-    inp = testing.random_paged_inputs(6, [9, 4], page_size=4)
+  def test_auto_and_cpu_take_the_kernel(self):
+    inp = testing.random_paged_inputs(6, [9, 4], q_lens=[3, 1], page_size=4)
     calls = []
-    real = cpu_kernel.decode_attention
+    real = cpu_kernel.paged_attention
 
     def spy(*a, **k):
       calls.append(a[0].shape)
       return real(*a, **k)
 
-    with mock.patch.object(cpu_kernel, "decode_attention", spy):
+    with mock.patch.object(cpu_kernel, "paged_attention", spy):
       for impl in ("auto", "cpu"):
-        attention.paged_attention(*inp, max_q_len=1, impl=impl)
-      attention.paged_attention(*inp, max_q_len=1, impl="xla")
-      attention.paged_attention(*inp, impl="cpu")          # max_q_len unknown: XLA
-    self.assertEqual(calls, [(2, 4, 16), (2, 4, 16)])
+        attention.paged_attention(*inp, max_q_len=3, impl=impl)
+      attention.paged_attention(*inp, max_q_len=3, impl="xla")
+      attention.paged_attention(*inp, impl="cpu")          # no max_q_len needed
+    self.assertEqual(calls, [(4, 4, 16)] * 3)
 
-  def test_step_attention_runs_small_prefill_chunks_as_kernel_rows(self):
+  def test_step_attention_runs_the_step_in_one_kernel_call(self):
     # Two decode rows, then prefill chunks of 5 (after a 3-token prefix) and 2 (a fresh prompt)
-    # and a padding token. 8 prefill tokens x 12 keys (3 table columns of 4) = 96 bound the
-    # token rows' reads whatever the rows hold; they read 33. So: at a bound of 96 the chunks
-    # are kernel rows, traced alone; below it both routes are traced and the step picks the
-    # kernel rows down to 33 keys, the tiled XLA path under that (and at 0, traced alone).
-    # Every route: the oracle's numbers.
+    # and a padding token: one kernel call for every row while PREFILL_ON_CPU_KERNEL; without
+    # it, decode rows on the kernel and the chunks on the tiled XLA path. Every route: the
+    # oracle's numbers; "xla" never takes the kernel.
     inp = testing.random_paged_inputs(8, [9, 4, 8, 2], q_lens=[1, 1, 5, 2], page_size=4,
-                                      pad_tokens=1, extra_table_columns=0)
-    self.assertEqual(inp.block_tables.shape[1] * inp.k_pages.shape[1], 12)
-    self.assertEqual(float(attention.token_row_keys(inp.seq_lens[2:], inp.cu_q_lens[2:] - 2)),
-                     33)
+                                      pad_tokens=1)
     k, v = testing.step_kv(inp)
     kw = dict(num_decode=2, max_q_len=5, sliding_window=6, soft_cap=2.5)
     expected = testing.naive_paged_attention(*inp, sliding_window=6, soft_cap=2.5)
     step = lambda impl="cpu": attention.step_attention(inp.q, k, v, *inp[1:], impl=impl, **kw)
-    tiled = attention.prefill_attention
-    for bound, routes, kernel_rows in ((96, ["rows"], True), (33, ["rows", "tiled"], True),
-                                       (32, ["rows", "tiled"], False), (0, ["tiled"], False)):
-      with mock.patch.object(attention, "TOKEN_ROWS_MAX_KEYS", bound):
+    kernel, tiled = cpu_kernel.paged_attention, attention.prefill_attention
+    for on_kernel, routes in ((True, [("kernel", 10)]), (False, [("kernel", 2), ("tiled", 8)])):
+      traced = []
+      with mock.patch.object(attention, "PREFILL_ON_CPU_KERNEL", on_kernel), \
+           mock.patch.object(cpu_kernel, "paged_attention",
+                             lambda q, *a, **k: (traced.append(("kernel", q.shape[0])),
+                                                 kernel(q, *a, **k))[1]), \
+           mock.patch.object(attention, "prefill_attention",
+                             lambda q, *a, **k: (traced.append(("tiled", q.shape[0])),
+                                                 tiled(q, *a, **k))[1]):
         np.testing.assert_allclose(np.asarray(step(), np.float64), expected, **F32)
-        traced = []
-        # Stand-ins: the token rows answer zeros, so the route the step ran shows in its output.
-        with mock.patch.object(attention, "prefill_attention_cpu",
-                               lambda q, *a, **k: (traced.append("rows"), jnp.zeros_like(q))[1]), \
-             mock.patch.object(attention, "prefill_attention",
-                               lambda *a, **k: (traced.append("tiled"), tiled(*a, **k))[1]):
-          out = np.asarray(step())
-          self.assertEqual(traced, routes, bound)
-          self.assertEqual(bool(np.all(out[2:9] == 0)), kernel_rows, bound)
-          np.testing.assert_allclose(out[:2], expected[:2], **F32)   # decode rows: the kernel
-          traced.clear()
-          step("xla")
-          self.assertEqual(traced, ["tiled"])   # "xla" never takes the kernel
+        self.assertEqual(traced, routes, on_kernel)
+        traced.clear()
+        np.testing.assert_allclose(np.asarray(step("xla"), np.float64), expected, **F32)
+        self.assertEqual(traced, [("tiled", 8)])
 
   def test_quantized_pages_stay_on_xla(self):
     inp = testing.random_paged_inputs(6, [9, 4], page_size=4)
