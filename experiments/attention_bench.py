@@ -23,8 +23,8 @@ Paths:
                    prefix through the block table; what prefill chunks run on where the C++
                    kernel does not (`attention.PREFILL_ON_CPU_KERNEL`).
   prefill_cpu      `cpu_kernel.paged_attention` on prefill chunks (CPU backend): the C++ kernel,
-                   tiles of 8 queries per (row, kv head); what a step's prefill chunks run on, on
-                   a CPU. Fresh prompts: --seq_lens=N --prefill_q_len=N.
+                   tiles of up to 16 queries per (row, kv head); what a step's prefill chunks run
+                   on, on a CPU. Fresh prompts: --seq_lens=N --prefill_q_len=N.
   pallas           our Triton kernel (`pallas_kernels.paged_attention`), GPU (or --interpret).
   jax_paged        `jax.experimental.pallas.ops.gpu.paged_attention` (decode only; its pool is
                    [kv_heads, pages, page_size, head_dim], prepared once outside the timing; it has no

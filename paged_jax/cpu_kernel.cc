@@ -4,12 +4,12 @@
 // Ragged causal rows: row r's q_len = cu_q_lens[r + 1] - cu_q_lens[r] queries are its last
 // q_len positions, seq_len - q_len, ..., seq_len - 1, and each attends to keys 0..its position
 // (a decode row is q_len 1; a prefill chunk after a cached prefix, or a fresh prompt, is more).
-// A work unit is (row, tile of up to 16 of its queries, kv head): the tile's query
-// vectors (tokens x the query heads that share the kv head) are scored against each chunk of up
-// to kKeys keys of a page, so every K / V byte is read once per unit, and the softmax is merged
-// online chunk by chunk with the seeds' section 11 rule (m, z, u: max score, sum of exp(s - m),
-// exp-weighted sum of values), in f32. Work units are spread over XLA's intra-op thread pool
-// when there is enough of it.
+// A work unit is (row, tile of up to 16 of its queries, kv head): the tile's query vectors
+// (tokens x the query heads that share the kv head) are scored against each chunk of up to 32
+// consecutive keys (read through the block table), so every K / V byte is read once per unit,
+// and the softmax is merged online chunk by chunk with the seeds' section 11 rule (m, z, u: max
+// score, sum of exp(s - m), exp-weighted sum of values), in f32. Work units are spread over
+// XLA's intra-op thread pool when there is enough of it.
 //
 // Shapes (ragged like `attention.paged_attention_xla`):
 //   q           T[num_tokens, num_q_heads, head_dim]
@@ -208,12 +208,19 @@ void Unit(const Problem& p, const T* q, const T* k, const T* v, const int32_t* t
   const int64_t lanes = (nq + 15) / 16 * 16;
   const bool key_major = nq >= kKeyMajorMin;
   thread_local std::vector<float> scratch;
-  scratch.assign(2 * lanes * d_len + lanes * kKeys + 2 * kKeys * d_len, 0.0f);
+  scratch.resize(2 * lanes * d_len + lanes * kKeys + 2 * kKeys * d_len);
   float* qs = scratch.data();
   float* acc = qs + lanes * d_len;
   float* s = acc + lanes * d_len;
   float* kf = s + lanes * kKeys;
   float* vf = kf + kKeys * d_len;
+  // Zeros where they are read before written: the value sums of the query vectors the value
+  // blocks cover (up to a multiple of 4), the transposed queries' padding lanes (key-major), the
+  // weights of the rows past nq in the last block (query-major).
+  const int64_t rows = (nq + 3) / 4 * 4;
+  std::fill(acc, acc + rows * d_len, 0.0f);
+  if (key_major) std::fill(qs, qs + lanes * d_len, 0.0f);
+  else std::fill(s, s + rows * kKeys, 0.0f);
   constexpr int kMaxLanes = kTileTokens * kMaxGroup;   // a multiple of 16
   alignas(64) float m[kMaxLanes], z[kMaxLanes], m_new[kMaxLanes], w_old[kMaxLanes];
   alignas(64) int32_t lo_x[kMaxLanes], hi_x[kMaxLanes];   // each lane's visible keys
