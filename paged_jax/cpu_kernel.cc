@@ -280,10 +280,10 @@ void Unit(const Problem& p, const T* q, const T* k, const T* v, const int32_t* t
         }
       }
       for (int64_t x = 0; x < lanes; ++x) {   // no finite max yet: weights exp(-inf) = 0
-        if (!std::isfinite(m_new[x])) m_new[x] = m[x] = kNegInf;
-        const float shift = std::isfinite(m_new[x]) ? m_new[x] : 0.0f;
-        w_old[x] = m[x] - shift;
-        m_new[x] = shift;
+        const bool none = !std::isfinite(m_new[x]);
+        if (none) m[x] = kNegInf;
+        m_new[x] = none ? 0.0f : m_new[x];   // the shift: what scores are taken from
+        w_old[x] = m[x] - m_new[x];
       }
       for (int64_t x = 0; x < lanes; x += 16) Exp16(w_old + x);
       for (int64_t t = 0; t < nk; ++t) {
@@ -325,11 +325,7 @@ void Unit(const Problem& p, const T* q, const T* k, const T* v, const int32_t* t
               part[x][u] = a;
             }
           }
-          for (int64_t x = 0; x < nq; ++x) {
-            alignas(64) float sums[16];
-            Store16(sums, SumLanes16(part[x]));
-            std::memcpy(s + x * kKeys + t0, sums, sizeof(float) * std::min<int64_t>(16, kKeys - t0));
-          }
+          for (int64_t x = 0; x < nq; ++x) Store16(s + x * kKeys + t0, SumLanes16(part[x]));
         }
       } else {
         for (int64_t x = 0; x < nq; ++x) {
