@@ -11,7 +11,8 @@ calls) for each variant:
   `batching.decode_bucket(1)` = 1 row; 8 was the floor before issue 32);
 - items_per_chunk: decode attention's work items per loop iteration (the default follows the
   rows, `attention.decode_items_per_chunk`; 64 was the default before issue 32; the XLA path's);
-- matmul: how the model multiplies (`ModelConfig.matmul`: "xla", or "mkl" with the extra).
+- matmul: how the model multiplies (`ModelConfig.matmul`: "xla", or "mkl" / "onednn" with their
+  extras).
 
 --impl picks decode attention's path for every variant ("xla", the default here; "cpu": the C++
 kernel the engine takes on a CPU).

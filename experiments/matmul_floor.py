@@ -13,6 +13,8 @@ For each shape a step multiplies (prefill's MLP and projections over --tokens ro
                 back; a single row padded to two);
   mkl_f32 / mkl_bf16       `paged_jax.matmul.mkl_matmul` (Intel MKL through XLA's FFI, f32
                 result), when the `mkl` extra is installed (--nomkl: not timed);
+  onednn_f32 / onednn_bf16 `paged_jax.matmul.onednn_matmul` (oneDNN through XLA's FFI, f32
+                result, every row count), with the `onednn` extra (--noonednn: not timed);
   numpy_f32     np.matmul (numpy's bundled OpenBLAS, on its own threads: all cores);
   torch_f32 / torch_bf16   torch.matmul at the same threads, when torch is installed (oneDNN).
 
@@ -51,6 +53,7 @@ class FloorConfig:
   rounds: int = 7
   threads: int = 2
   mkl: bool = True           # the mkl_* routes, where MKL can run
+  onednn: bool = True        # the onednn_* routes, where oneDNN can run
   read_mib: int = 512        # the read-bandwidth probe's array
   cold_mib: float = 256      # batch-1 shapes: distinct weights of this many MiB per timed call
 
@@ -140,6 +143,9 @@ def run(cfg: FloorConfig) -> dict:
   if cfg.mkl and matmul.mkl_unavailable_reason() is None:
     mkl = each(matmul.mkl_matmul)
     xla.update({"mkl_f32": (mkl, jnp.float32), "mkl_bf16": (mkl, jnp.bfloat16)})
+  if cfg.onednn and matmul.unavailable_reason("onednn") is None:
+    onednn = each(matmul.onednn_matmul)
+    xla.update({"onednn_f32": (onednn, jnp.float32), "onednn_bf16": (onednn, jnp.bfloat16)})
   peers = {**_numpy_routes(), **_torch_routes(cfg.threads)}
   rows = []
   rng = np.random.default_rng(0)
@@ -191,7 +197,7 @@ def main(argv):
   from absl import flags
   f = flags.FLAGS
   r = run(FloorConfig(hidden=f.hidden, intermediate=f.intermediate, kv=f.kv, vocab=f.vocab,
-                      tokens=f.tokens, rows=f.rows, rounds=f.rounds, mkl=f.mkl,
+                      tokens=f.tokens, rows=f.rows, rounds=f.rounds, mkl=f.mkl, onednn=f.onednn,
                       cold_mib=f.cold_mib))
   print(format_result(r))
   if f.out:
@@ -208,6 +214,7 @@ if __name__ == "__main__":
   flags.DEFINE_integer("rows", FloorConfig.rows, "Decode rows.")
   flags.DEFINE_integer("rounds", FloorConfig.rounds, "Timed rounds (best is reported).")
   flags.DEFINE_bool("mkl", FloorConfig.mkl, "Time the mkl_* routes where MKL can run.")
+  flags.DEFINE_bool("onednn", FloorConfig.onednn, "Time the onednn_* routes where it can run.")
   flags.DEFINE_float("cold_mib", FloorConfig.cold_mib, "Batch-1 shapes: MiB of distinct "
                      "weights per timed call (read from memory, not the cache).")
   flags.DEFINE_string("out", "experiments/results/matmul_floor.jsonl", "JSONL to append to.")

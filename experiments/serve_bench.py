@@ -20,6 +20,8 @@ repetitions:
   the CPU kernel, side by side in the run;
 - paged_jax_mkl: the same engine with its matmuls in Intel MKL (`ModelConfig.matmul="mkl"`,
   `paged_jax.matmul`; needs `pip install -e .[mkl]`): reported against vLLM and paged_jax;
+- paged_jax_onednn: the same with its matmuls in oneDNN (`matmul="onednn"`; `pip install -e
+  .[onednn]`), reported the same way;
 - hf_generate: transformers' padded `generate`, one left-padded batch with an attention mask;
 - hf_cb: transformers' continuous batching `generate_batch` (page_size 32, 512 batch tokens, 32
   requests per batch, enough blocks for all).
@@ -58,7 +60,9 @@ import numpy as np
 
 from experiments import tool_venv
 
-ENGINES = ("paged_jax", "paged_jax_xla", "paged_jax_mkl", "hf_generate", "hf_cb", "vllm")
+ENGINES = ("paged_jax", "paged_jax_xla", "paged_jax_mkl", "paged_jax_onednn", "hf_generate",
+           "hf_cb", "vllm")
+LIBRARY_ENGINES = ("paged_jax_mkl", "paged_jax_onednn")   # reported against vLLM and paged_jax
 
 PRESETS = {
     "tiny": dict(hidden_size=32, intermediate_size=64, num_layers=2, num_q_heads=4,
@@ -250,7 +254,8 @@ def worker_hf_cb(cfg: BenchConfig, path: str) -> dict:
 WORKERS = {"paged_jax": worker_paged_jax, "hf_generate": worker_hf_generate,
            "hf_cb": worker_hf_cb,   # vllm runs in its own venv: `_spawn_vllm`
            "paged_jax_xla": lambda cfg, path: worker_paged_jax(cfg, path, impl="xla"),
-           "paged_jax_mkl": lambda cfg, path: worker_paged_jax(cfg, path, matmul="mkl")}
+           "paged_jax_mkl": lambda cfg, path: worker_paged_jax(cfg, path, matmul="mkl"),
+           "paged_jax_onednn": lambda cfg, path: worker_paged_jax(cfg, path, matmul="onednn")}
 
 
 def ensure_vllm(python: str) -> str | None:
@@ -374,10 +379,11 @@ def run(cfg: BenchConfig, model_dir: str | None = None, progress=print) -> dict:
   first = tokens[cfg.engines[0]]
   result["identical_tokens"] = all(t == first for t in tokens.values())
   result["tokens_differ"] = {e: sum(a != b for a, b in zip(t, first)) for e, t in tokens.items()}
-  mkl = result["engines"].get("paged_jax_mkl")
-  for peer in ("vllm", "paged_jax"):
-    if mkl and peer in result["engines"]:
-      mkl[f"x_{peer}"] = mkl["tokens_per_s"] / result["engines"][peer]["tokens_per_s"]
+  for lib in LIBRARY_ENGINES:
+    r = result["engines"].get(lib)
+    for peer in ("vllm", "paged_jax"):
+      if r and peer in result["engines"]:
+        r[f"x_{peer}"] = r["tokens_per_s"] / result["engines"][peer]["tokens_per_s"]
   ours = result["engines"].get("paged_jax")
   if ours:
     for peer in PEERS:
@@ -415,9 +421,10 @@ def format_result(r: dict) -> str:
     lines.append(f"  {e:12s} {v['tokens_per_s']:8.0f} tok/s  ({v['seconds']:.3f} s)")
   for e, why in r.get("skipped", {}).items():
     lines.append(f"  {e:12s} SKIPPED: {why}")
-  for peer, x in r["engines"].get("paged_jax_mkl", {}).items():
-    if peer.startswith("x_"):
-      lines.append(f"  paged_jax_mkl / {peer[2:]}: {x:.2f}x")
+  for lib in LIBRARY_ENGINES:
+    for peer, x in r["engines"].get(lib, {}).items():
+      if peer.startswith("x_"):
+        lines.append(f"  {lib} / {peer[2:]}: {x:.2f}x")
   ours = r["engines"].get("paged_jax")
   if ours:
     for peer in PEERS:

@@ -43,7 +43,8 @@ class ModelConfig:
     attn_soft_cap: attention scores become cap * tanh(scores / cap) (Gemma 2), or None.
     final_soft_cap: the same on the output logits (Gemma 2), or None.
     matmul: how projections, MLPs and the LM head multiply (`paged_jax.matmul.BACKENDS`): "xla"
-      (`jax.lax.dot_general`, the default) or "mkl" (Intel MKL on a CPU, an optional extra).
+      (`jax.lax.dot_general`, the default), "mkl" (Intel MKL on a CPU) or "onednn" (oneDNN on
+      a CPU); each library is an optional extra.
       Not a property of the checkpoint: runners set it (`serve --matmul`).
   """
   vocab_size: int
@@ -85,8 +86,8 @@ class ModelConfig:
       raise ValueError(f"head_dim={self.head_dim} must be even (rotary embeddings)")
     if self.dtype not in ("float32", "bfloat16"):
       raise ValueError(f"dtype={self.dtype!r} must be 'float32' or 'bfloat16'")
-    if self.matmul not in ("xla", "mkl"):   # paged_jax.matmul.BACKENDS (not imported here)
-      raise ValueError(f"matmul={self.matmul!r} must be 'xla' or 'mkl'")
+    if self.matmul not in ("xla", "mkl", "onednn"):   # paged_jax.matmul.BACKENDS (not imported)
+      raise ValueError(f"matmul={self.matmul!r} must be 'xla', 'mkl' or 'onednn'")
     if self.sliding_window is not None and self.sliding_window < 1:
       raise ValueError(f"sliding_window={self.sliding_window} must be >= 1 (or None: no window)")
     if self.hidden_act not in HIDDEN_ACTS:

@@ -264,13 +264,13 @@ class Engine(EngineLoop):
                               else cpu_kernel.unavailable_reason(device))
     if impl == "cpu" and self.cpu_kernel_reason:
       raise ValueError(f"impl='cpu' cannot run here: {self.cpu_kernel_reason}")
-    if cfg.matmul == "mkl":   # registered now for the same reason; refused where it can't run
-      why = ("tensor parallelism (mesh=): the MKL call has no sharding rule"
-             if self.model_parallel > 1 else matmul.mkl_unavailable_reason(device))
+    if cfg.matmul != "xla":   # a library: registered now for the same reason; refused where
+      why = (f"tensor parallelism (mesh=): the {cfg.matmul} call has no sharding rule"   # it can't
+             if self.model_parallel > 1 else matmul.unavailable_reason(cfg.matmul, device))
       if why:
-        raise ValueError(f"matmul='mkl' cannot run here: {why}")
-      logging.info("matmuls: Intel MKL (paged_jax.matmul.mkl_dot_general)")
-      if slow := matmul.mkl_slow_reason():
+        raise ValueError(f"matmul={cfg.matmul!r} cannot run here: {why}")
+      logging.info("matmuls: %s (paged_jax.matmul.%s_dot_general)", cfg.matmul, cfg.matmul)
+      if cfg.matmul == "mkl" and (slow := matmul.mkl_slow_reason()):
         logging.warning("matmul='mkl': %s", slow)
     why = kv_quant.unsupported_reason(self.kv_format, uses_kernel=uses_kernel, device=device)
     if why:   # refused by name, never upcast behind the caller's back

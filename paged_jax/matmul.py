@@ -23,6 +23,14 @@ custom call. It needs the `mkl` and `mkl-include` wheels (`pip install -e .[mkl]
 on first use like `cpu_kernel` (same compiler, same cache), and `mkl_unavailable_reason()` says
 why it cannot run. `jax.lax.dot_general` stays the default and the reference in tests.
 
+**oneDNN on a CPU, optional** (`ModelConfig.matmul="onednn"`; `serve --matmul=onednn`; the
+`onednn` extra: Intel's CPU-only GNU OpenMP build, 39 MB). The library vLLM's CPU build multiplies
+with; its kernels are chosen by instruction set, not by maker (AVX-512 brgemm on an AMD EPYC,
+where MKL runs generic code). `cpu_matmul_onednn.cc` keeps one matmul primitive per shape and
+column block, runs each block on a thread of XLA's pool with one OpenMP thread (oneDNN's own
+two-thread OpenMP team was measured slower at 8-32 rows), on the weights as they are (no packed
+copy). It takes products of ONEDNN_MIN_ROWS rows or more, where it was measured faster.
+
 MKL's speed depends on the CPU's maker: it dispatches its tuned kernels on Intel CPUs only. On
 an AMD EPYC (Zen 4, AVX-512) it loads its generic kernels (`libmkl_def`): the engine ran 0.93x
 as fast in f32 as on XLA's dots, and the one-row bf16 LM head took 20x XLA's time
@@ -61,51 +69,94 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
   return out[:1] if one_row else out
 
 
-BACKENDS = ("xla", "mkl")
+BACKENDS = ("xla", "mkl", "onednn")
 MKL_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_matmul.cc")
 MKL_TARGET = "paged_jax_cpu_matmul"
+ONEDNN_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_matmul_onednn.cc")
+ONEDNN_TARGET = "paged_jax_onednn_matmul"
 # Columns of w per thread before a second thread takes half: an MLP projection of SmolLM2 (576
 # or 1,536 columns) is split, a tiny test matrix is not.
 MIN_COLUMNS_PER_THREAD = 256
+# oneDNN takes products of at least this many rows; fewer stay on XLA's dot. SmolLM2's MLP as 30
+# unrolled layers (weights from memory, 2 threads, jax 0.12.1, ms; XLA -> oneDNN): f32 1 row
+# 13.9 -> 14.7, 16 rows 25.9 -> 23.2, 32 rows 41.2 -> 33.1, 64 rows 71.3 -> 53.3, 1,024 rows
+# 849 -> 778; bf16 16 rows 18.0 -> 17.4, 32 rows 27.6 -> 24.8, 1,024 rows 485 -> 466. A whole
+# one-row f32 decode step took 25.8 -> 34.6 ms (experiments/decode_round_bench.py): the small
+# q / k / v / o products and the transposed tied head lose most there.
+ONEDNN_MIN_ROWS = 16
 _MKL_LIBS = ("libmkl_intel_lp64.so", "libmkl_sequential.so", "libmkl_core.so")
+
+
+def _wheel_flags(what: str, lib_pkg: str, inc_pkg: str, header: str, include_depth: int,
+                 libs: tuple[str, ...], extra: tuple[str, ...] = ()) -> tuple[str, ...] | str:
+  """Compiler flags that find `header` in the installed `inc_pkg` wheel (its include directory
+  `include_depth` levels above the header) and link `libs` from the `lib_pkg` wheel, with an
+  rpath; a string saying what is missing otherwise (`what`: the library's name, which is also
+  the extra that installs it)."""
+  from importlib import metadata
+  name = {"mkl": "Intel MKL", "onednn": "oneDNN"}[what]
+  try:
+    lib_files, inc_files = metadata.files(lib_pkg) or [], metadata.files(inc_pkg) or []
+  except metadata.PackageNotFoundError as e:
+    return f"{name} is not installed ({e.name!r}: pip install -e .[{what}])"
+  found = next((f for f in inc_files if str(f).replace(os.sep, "/").endswith(header)), None)
+  libs_found = {want: next((f for f in lib_files if f.name.startswith(want + ".")), None)
+                for want in libs}
+  missing = [name for name, f in libs_found.items() if f is None] + ([] if found else [header])
+  if missing:
+    return f"the installed {name} wheels ({lib_pkg}, {inc_pkg}) lack {missing}"
+  include = str(found.locate())
+  for _ in range(include_depth):
+    include = os.path.dirname(include)
+  lib_dir = os.path.dirname(str(libs_found[libs[-1]].locate()))
+  return ("-I", include, "-L", lib_dir, *(f"-l:{f.name}" for f in libs_found.values()),
+          f"-Wl,-rpath,{lib_dir}", *extra)
 
 
 def mkl_build_flags() -> tuple[str, ...] | str:
   """The compiler flags that find MKL's header and link its sequential libraries, from the
   installed `mkl` / `mkl-include` wheels; a string saying what is missing otherwise."""
-  from importlib import metadata
-  try:
-    lib_files, inc_files = metadata.files("mkl") or [], metadata.files("mkl-include") or []
-  except metadata.PackageNotFoundError as e:
-    return f"Intel MKL is not installed ({e.name!r}: pip install -e .[mkl])"
-  header = next((f for f in inc_files if f.name == "mkl_cblas.h"), None)
-  libs = {want: next((f for f in lib_files if f.name.startswith(want + ".")), None)
-          for want in _MKL_LIBS}
-  missing = [name for name, f in libs.items() if f is None] + ([] if header else ["mkl_cblas.h"])
-  if missing:
-    return f"the installed MKL wheels lack {missing}"
-  lib_dir = os.path.dirname(str(libs["libmkl_core.so"].locate()))
-  return ("-I", os.path.dirname(str(header.locate())), "-L", lib_dir,
-          *(f"-l:{f.name}" for f in libs.values()), f"-Wl,-rpath,{lib_dir}")
+  return _wheel_flags("mkl", "mkl", "mkl-include", "mkl_cblas.h", 1, _MKL_LIBS)
+
+
+def onednn_build_flags() -> tuple[str, ...] | str:
+  """The compiler flags that find oneDNN's C++ header and link its library (and GNU OpenMP, its
+  threading runtime), from the installed `onednn-cpu-gomp` / `onednn-devel-cpu-gomp` wheels; a
+  string saying what is missing otherwise."""
+  return _wheel_flags("onednn", "onednn-cpu-gomp", "onednn-devel-cpu-gomp",
+                      "oneapi/dnnl/dnnl.hpp", 3, ("libdnnl.so",), ("-lgomp",))
+
+
+_LIBRARIES = {   # backend: (source, FFI symbol, target, build flags)
+    "mkl": (MKL_SOURCE, "PagedJaxCpuMatmul", MKL_TARGET, mkl_build_flags),
+    "onednn": (ONEDNN_SOURCE, "PagedJaxOnednnMatmul", ONEDNN_TARGET, onednn_build_flags),
+}
 
 
 @functools.cache
-def _load_mkl() -> str | None:
-  """Builds, loads and registers the MKL call once per process; None on success, else why not."""
+def _load(backend: str) -> str | None:
+  """Builds, loads and registers a library backend's call once per process; None on success,
+  else why not."""
   from paged_jax import cpu_kernel
-  flags = mkl_build_flags()
+  source, symbol, target, build_flags = _LIBRARIES[backend]
+  flags = build_flags()
   if isinstance(flags, str):
     return flags
-  return cpu_kernel.load(MKL_SOURCE, "PagedJaxCpuMatmul", MKL_TARGET, flags)
+  return cpu_kernel.load(source, symbol, target, flags)
+
+
+def unavailable_reason(backend: str, device: jax.Device | None = None) -> str | None:
+  """Why a library backend ("mkl", "onednn") cannot run here (None if it can): it needs the CPU
+  backend, its wheels and a C++ compiler; the first call builds and registers it."""
+  device = device or jax.devices()[0]
+  if device.platform != "cpu":
+    return f"the {backend} matmul runs on the CPU backend; this device is {device.platform}"
+  return _load(backend)
 
 
 def mkl_unavailable_reason(device: jax.Device | None = None) -> str | None:
-  """Why the MKL matmul cannot run here (None if it can): it needs the CPU backend, the MKL
-  wheels and a C++ compiler; the first call builds and registers it."""
-  device = device or jax.devices()[0]
-  if device.platform != "cpu":
-    return f"the MKL matmul runs on the CPU backend; this device is {device.platform}"
-  return _load_mkl()
+  """`unavailable_reason("mkl", device)`."""
+  return unavailable_reason("mkl", device)
 
 
 def cpu_info(field: str) -> str:
@@ -153,19 +204,44 @@ def mkl_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
   `precision` is not passed on: XLA:CPU's f32 dot ignores it too (full f32 products). Raises a
   ValueError naming the reason where MKL cannot run.
   """
-  dt = jnp.result_type(lhs, rhs)
-  (lhs_c, rhs_c), (lhs_b, rhs_b) = dimension_numbers
-  rhs_c = tuple(rhs_c)
-  applies = (dt in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)) and lhs.dtype == rhs.dtype
-             and preferred_element_type is None and not lhs_b and not rhs_b and rhs.ndim == 2
-             and lhs.ndim >= 1 and tuple(lhs_c) == (lhs.ndim - 1,) and rhs_c in ((0,), (1,)))
-  rows = int(np.prod(lhs.shape[:-1]))
-  if not applies or (dt == jnp.dtype(jnp.bfloat16)                    # see the docstring
+  rows = _library_rows(lhs, rhs, dimension_numbers, preferred_element_type)
+  if rows is None or (jnp.result_type(lhs, rhs) == jnp.dtype(jnp.bfloat16)   # see the docstring
                       and (rows != 1 or mkl_slow_reason() is not None)):
     return dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
-  transpose = rhs_c == (1,)
-  out = mkl_matmul(lhs.reshape(rows, lhs.shape[-1]), rhs, transpose)
-  return out.astype(dt).reshape(*lhs.shape[:-1], out.shape[-1])
+  return _through_library(mkl_matmul, lhs, rhs, dimension_numbers)
+
+
+def _library_rows(lhs, rhs, dimension_numbers, preferred_element_type) -> int | None:
+  """The lhs rows of a product a library call takes, or None where it does not apply: one
+  dtype (f32 or bf16), no batch dimensions, the lhs contracting its last axis and the rhs its
+  first ([k, n], a projection's kernel) or its second ([n, k], the tied LM head), no
+  preferred_element_type."""
+  dt = jnp.result_type(lhs, rhs)
+  (lhs_c, rhs_c), (lhs_b, rhs_b) = dimension_numbers
+  applies = (dt in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)) and lhs.dtype == rhs.dtype
+             and preferred_element_type is None and not lhs_b and not rhs_b and rhs.ndim == 2
+             and lhs.ndim >= 1 and tuple(lhs_c) == (lhs.ndim - 1,)
+             and tuple(rhs_c) in ((0,), (1,)))
+  return int(np.prod(lhs.shape[:-1])) if applies else None
+
+
+def _through_library(call, lhs, rhs, dimension_numbers):
+  """lhs [..., k] times rhs by `call(x [rows, k], w, transpose)` (f32 out), cast to the dtype."""
+  transpose = tuple(dimension_numbers[0][1]) == (1,)
+  out = call(lhs.reshape(int(np.prod(lhs.shape[:-1])), lhs.shape[-1]), rhs, transpose)
+  return out.astype(jnp.result_type(lhs, rhs)).reshape(*lhs.shape[:-1], out.shape[-1])
+
+
+def _library_call(backend: str, name: str, x, w, transpose: bool):
+  """f32[m, n] = x @ w (or x @ w.T) through a library backend's FFI call; a ValueError naming
+  the reason where it cannot run."""
+  reason = unavailable_reason(backend)
+  if reason is not None:
+    raise ValueError(f"the {name} matmul cannot run here: {reason}")
+  n = w.shape[0] if transpose else w.shape[1]
+  target = _LIBRARIES[backend][2]
+  return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(
+      x, w, transpose_rhs=transpose, min_columns_per_thread=np.int64(MIN_COLUMNS_PER_THREAD))
 
 
 def mkl_matmul(x, w, transpose: bool = False):
@@ -174,19 +250,37 @@ def mkl_matmul(x, w, transpose: bool = False):
   x: f32 or bf16 [m, k]; w: the same dtype, [k, n] (or [n, k] with `transpose`). Raises a
   ValueError naming the reason where MKL cannot run.
   """
-  reason = mkl_unavailable_reason()
-  if reason is not None:
-    raise ValueError(f"the MKL matmul cannot run here: {reason}")
-  n = w.shape[0] if transpose else w.shape[1]
-  return jax.ffi.ffi_call(MKL_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(
-      x, w, transpose_rhs=transpose, min_columns_per_thread=np.int64(MIN_COLUMNS_PER_THREAD))
+  return _library_call("mkl", "MKL", x, w, transpose)
+
+
+def onednn_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+  """`dot_general` through oneDNN where it applies, else `dot_general` itself.
+
+  It applies to f32 and bf16 operands with at least ONEDNN_MIN_ROWS lhs rows, under
+  `_library_rows`' conditions (a projection's kernel or the tied LM head). Accumulated in f32
+  (bf16: cast back once, as `dot_general` does). `precision` is not passed on (XLA:CPU's f32 dot
+  ignores it too). Raises a ValueError naming the reason where oneDNN cannot run.
+  """
+  rows = _library_rows(lhs, rhs, dimension_numbers, preferred_element_type)
+  if rows is None or rows < ONEDNN_MIN_ROWS:
+    return dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
+  return _through_library(onednn_matmul, lhs, rhs, dimension_numbers)
+
+
+def onednn_matmul(x, w, transpose: bool = False):
+  """The oneDNN call itself (no routing): f32[m, n] = x @ w.
+
+  x: f32 or bf16 [m, k]; w: the same dtype, [k, n] (or [n, k] with `transpose`). Raises a
+  ValueError naming the reason where oneDNN cannot run.
+  """
+  return _library_call("onednn", "oneDNN", x, w, transpose)
 
 
 def for_backend(backend: str):
-  """The dot_general of a matmul backend name ("xla" or "mkl")."""
+  """The dot_general of a matmul backend name (one of BACKENDS)."""
   if backend not in BACKENDS:
     raise ValueError(f"matmul={backend!r} is not one of {BACKENDS}")
-  return mkl_dot_general if backend == "mkl" else dot_general
+  return {"xla": dot_general, "mkl": mkl_dot_general, "onednn": onednn_dot_general}[backend]
 
 
 def matmul(x, w):

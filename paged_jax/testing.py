@@ -378,6 +378,8 @@ REQUIRE_TORCH = os.environ.get("PAGED_JAX_REQUIRE_TORCH") == "1"
 # And PAGED_JAX_REQUIRE_MKL=1 where it installs the `mkl` extra: there the MKL matmul's tests
 # fail, not skip, when it cannot run (tests/paged_jax/matmul_test.py).
 REQUIRE_MKL = os.environ.get("PAGED_JAX_REQUIRE_MKL") == "1"
+# The same for the `onednn` extra (PAGED_JAX_REQUIRE_ONEDNN=1).
+REQUIRE_ONEDNN = os.environ.get("PAGED_JAX_REQUIRE_ONEDNN") == "1"
 
 _DENSE_APPLY = {}
 

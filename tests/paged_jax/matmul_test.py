@@ -3,6 +3,7 @@ timing): the matmul dispatcher (`paged_jax.matmul`), RoPE tables computed once, 
 converts a bf16 pool on every KV write (`engine.slow_narrow_kv_writes`). Values are checked
 against the plain ops."""
 
+import itertools
 import re
 from unittest import mock
 
@@ -118,46 +119,105 @@ class NarrowKVWriteTest(absltest.TestCase):
     self.assertFalse(engine.slow_narrow_kv_writes(jnp.float32))
 
 
-class MklTest(parameterized.TestCase):
-  """`matmul.mkl_dot_general` against float64 NumPy and XLA's dot. Needs the `mkl` extra: skipped
-  without it, saying why, except where PAGED_JAX_REQUIRE_MKL=1 (.ci/run's jax 0.12 stage)."""
+class LibraryCases:
+  """What every library backend must do (mixed into one TestCase per backend): products equal to
+  float64 NumPy, the same columns on one thread and two, leading axes and empty shapes, and the
+  model and engine matching XLA's dot. Skipped where the backend's extra is not installed,
+  saying why, except where its PAGED_JAX_REQUIRE_* variable is 1 (.ci/run's jax 0.12 stage)."""
+  backend = ""
+  require = False
 
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.reason = matmul.mkl_unavailable_reason()
+    cls.reason = matmul.unavailable_reason(cls.backend)
 
   def setUp(self):
     super().setUp()
-    if self.reason and testing.REQUIRE_MKL:
-      self.fail(f"PAGED_JAX_REQUIRE_MKL=1 but the MKL matmul cannot run: {self.reason}")
+    if self.reason and self.require:
+      self.fail(f"the {self.backend} matmul is required here but cannot run: {self.reason}")
     if self.reason:
       self.skipTest(self.reason)
+    # Every row count goes to the library here (oneDNN's routing rule is tested on its own).
+    self.enter_context(mock.patch.object(matmul, "ONEDNN_MIN_ROWS", 1))
 
-  def mkl(self, x, w, dims=_DIMS, **kw):
-    return jax.jit(lambda x, w: matmul.mkl_dot_general(x, w, dims, **kw))(x, w)
+  def dot(self, x, w, dims=_DIMS, **kw):
+    fn = matmul.for_backend(self.backend)
+    return jax.jit(lambda x, w: fn(x, w, dims, **kw))(x, w)
 
-  @parameterized.product(rows=(1, 3, 17), n=(8, 333, 1024), transpose=(False, True))
-  def test_f32_equals_the_float64_product(self, rows, n, transpose):
+  def test_f32_equals_the_float64_product(self):
     # n=333: column blocks that are not a multiple of 16; 1024: split over both threads.
-    x, w = _operands(rows, 40, n, jnp.float32, seed=rows * n)
-    rhs, dims = (w.T, (((1,), (1,)), ((), ()))) if transpose else (w, _DIMS)
-    got = self.mkl(x, jnp.asarray(np.asarray(rhs)), dims)
-    self.assertEqual((got.dtype, got.shape), (jnp.float32, (rows, n)))
-    ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
-    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    for rows, n, transpose in itertools.product((1, 3, 17), (8, 333, 1024), (False, True)):
+      with self.subTest(rows=rows, n=n, transpose=transpose):
+        x, w = _operands(rows, 40, n, jnp.float32, seed=rows * n)
+        rhs, dims = (w.T, (((1,), (1,)), ((), ()))) if transpose else (w, _DIMS)
+        got = self.dot(x, jnp.asarray(np.asarray(rhs)), dims)
+        self.assertEqual((got.dtype, got.shape), (jnp.float32, (rows, n)))
+        self.assertIn(_LIBRARY_TARGETS[self.backend],
+                      _hlo(lambda x, w: matmul.for_backend(self.backend)(x, w, dims), x,
+                           jnp.asarray(np.asarray(rhs))))
+        ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
 
   def test_one_thread_and_two_give_the_same_product(self):
     x, w = _operands(5, 64, 700, jnp.float32, seed=1)
-    two = self.mkl(x, w)
+    two = self.dot(x, w)
     with mock.patch.object(matmul, "MIN_COLUMNS_PER_THREAD", 0):   # 0: the caller alone
-      one = self.mkl(x, w)
+      one = self.dot(x, w)
     chex.assert_trees_all_equal(one, two)   # the same columns, each computed once either way
+
+  def test_leading_axes_and_empty_shapes(self):
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(2, 3, 8)), jnp.float32)
+    w = jnp.asarray(np.random.default_rng(3).normal(size=(8, 5)), jnp.float32)
+    got = self.dot(x, w, (((2,), (0,)), ((), ())))
+    np.testing.assert_allclose(got, np.asarray(x) @ np.asarray(w), rtol=1e-5, atol=1e-5)
+    self.assertEqual(self.dot(jnp.zeros((0, 8)), w).shape, (0, 5))
+    chex.assert_trees_all_equal(self.dot(jnp.ones((3, 0)), jnp.ones((0, 5))), jnp.zeros((3, 5)))
+
+  def test_what_it_does_not_take_is_xla_s_dot_exactly(self):
+    # Batch dims, an explicit output type, integers: dot_general itself, no custom call.
+    cases = [(*_operands(3, 16, 8, jnp.float32), _DIMS, dict(preferred_element_type=jnp.float32)),
+             (jnp.arange(12, dtype=jnp.int32).reshape(3, 4), jnp.ones((4, 2), jnp.int32), _DIMS,
+              {})]
+    batched = jnp.ones((2, 3, 4), jnp.float32)
+    cases.append((batched, batched.transpose(0, 2, 1), (((2,), (1,)), ((0,), (0,))), {}))
+    fn = matmul.for_backend(self.backend)
+    for x, w, dims, kw in cases:
+      f = lambda x, w: fn(x, w, dims, **kw)   # noqa: E731
+      chex.assert_trees_all_equal(jax.jit(f)(x, w), matmul.dot_general(x, w, dims, **kw))
+      self.assertNotIn(_LIBRARY_TARGETS[self.backend], _hlo(f, x, w))
+
+  def test_model_and_engine_match_xla(self):
+    # The tied head ([n, k]) and every projection through the library: logits within f32
+    # summation order of XLA's, and the same greedy tokens through the engine.
+    cfg = config.tiny_config(tie_embeddings=True)
+    params = testing.random_params(cfg, seed=5)
+    tokens = np.arange(1, 12, dtype=np.int32)
+    logits, outs = {}, {}
+    for backend in ("xla", self.backend):
+      c = config.tiny_config(tie_embeddings=True, matmul=backend)
+      logits[backend] = testing.dense_logits(params, c, tokens)
+      e = engine.Engine(params, c, cache=CacheConfig(page_size=4, num_pages=40))
+      got = e.generate([[3, 4, 5], [9, 8, 7, 6, 5, 4]], SamplingParams(max_tokens=6,
+                                                                       ignore_eos=True))
+      outs[backend] = [o.outputs[0].token_ids for o in got]
+    np.testing.assert_allclose(logits[self.backend], logits["xla"], rtol=1e-5, atol=1e-5)
+    self.assertEqual(outs[self.backend], outs["xla"])
+
+
+_LIBRARY_TARGETS = {"mkl": matmul.MKL_TARGET, "onednn": matmul.ONEDNN_TARGET}
+
+
+class MklTest(LibraryCases, parameterized.TestCase):
+  """`matmul.mkl_dot_general`: LibraryCases, and MKL's own routing of bf16 (the `mkl` extra;
+  PAGED_JAX_REQUIRE_MKL=1 in .ci/run's jax 0.12 stage)."""
+  backend = "mkl"
+  require = testing.REQUIRE_MKL
 
   @mock.patch.object(matmul, "cpu_vendor", return_value="GenuineIntel")
   def test_bf16_one_row_is_the_f32_product_rounded_once(self, _):
     x, w = _operands(1, 96, 300, jnp.bfloat16, seed=4)
-    got = self.mkl(x, w)
+    got = self.dot(x, w)
     self.assertEqual(got.dtype, jnp.bfloat16)
     self.assertIn(matmul.MKL_TARGET, _hlo(lambda x, w: matmul.mkl_dot_general(x, w, _DIMS), x, w))
     ref = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
@@ -192,47 +252,12 @@ class MklTest(parameterized.TestCase):
       text = "\n".join(logs.output)
       self.assertEqual(f"'{vendor}', not GenuineIntel" in text, warned, text)
 
-  def test_what_mkl_does_not_take_is_xla_s_dot_exactly(self):
-    # bf16 at more than one row (measured slower in MKL), batch dims, an explicit output type,
-    # integers: dot_general itself, and no custom call in the program.
-    cases = [(*_operands(4, 32, 24, jnp.bfloat16), _DIMS, {}),
-             (*_operands(3, 16, 8, jnp.float32), _DIMS, dict(preferred_element_type=jnp.float32)),
-             (jnp.arange(12, dtype=jnp.int32).reshape(3, 4), jnp.ones((4, 2), jnp.int32), _DIMS,
-              {})]
-    batched = jnp.ones((2, 3, 4), jnp.float32)
-    cases.append((batched, batched.transpose(0, 2, 1), (((2,), (1,)), ((0,), (0,))), {}))
-    for x, w, dims, kw in cases:
-      fn = lambda x, w: matmul.mkl_dot_general(x, w, dims, **kw)
-      chex.assert_trees_all_equal(jax.jit(fn)(x, w), matmul.dot_general(x, w, dims, **kw))
-      self.assertNotIn(matmul.MKL_TARGET, _hlo(fn, x, w))
-
-  def test_leading_axes_and_empty_shapes(self):
-    x = jnp.asarray(np.random.default_rng(2).normal(size=(2, 3, 8)), jnp.float32)
-    w = jnp.asarray(np.random.default_rng(3).normal(size=(8, 5)), jnp.float32)
-    got = self.mkl(x, w, (((2,), (0,)), ((), ())))
-    np.testing.assert_allclose(got, np.asarray(x) @ np.asarray(w), rtol=1e-5, atol=1e-5)
-    self.assertEqual(self.mkl(jnp.zeros((0, 8)), w).shape, (0, 5))
-    chex.assert_trees_all_equal(self.mkl(jnp.ones((3, 0)), jnp.ones((0, 5))), jnp.zeros((3, 5)))
-
-  def test_model_and_engine_on_mkl_match_xla(self):
-    # The tied head ([n, k]) and every projection through MKL: logits within f32 summation
-    # order of XLA's, and the same greedy tokens through the engine.
-    cfg = config.tiny_config(tie_embeddings=True)
-    params = testing.random_params(cfg, seed=5)
-    tokens = jnp.arange(1, 12, dtype=jnp.int32)
-    logits = {}
-    for backend in matmul.BACKENDS:
-      c = config.tiny_config(tie_embeddings=True, matmul=backend)
-      logits[backend] = testing.dense_logits(params, c, np.asarray(tokens))
-    np.testing.assert_allclose(logits["mkl"], logits["xla"], rtol=1e-5, atol=1e-5)
-    outs = {}
-    for backend in matmul.BACKENDS:
-      e = engine.Engine(params, config.tiny_config(tie_embeddings=True, matmul=backend),
-                        cache=CacheConfig(page_size=4, num_pages=40))
-      got = e.generate([[3, 4, 5], [9, 8, 7, 6, 5, 4]], SamplingParams(max_tokens=6,
-                                                                       ignore_eos=True))
-      outs[backend] = [o.outputs[0].token_ids for o in got]
-    self.assertEqual(outs["mkl"], outs["xla"])
+  def test_bf16_at_more_rows_is_xla_s_dot_exactly(self):
+    # MKL's bf16 product at 2-32 rows was measured no faster than XLA's (YNNPACK).
+    x, w = _operands(4, 32, 24, jnp.bfloat16)
+    fn = lambda x, w: matmul.mkl_dot_general(x, w, _DIMS)   # noqa: E731
+    chex.assert_trees_all_equal(jax.jit(fn)(x, w), matmul.dot_general(x, w, _DIMS))
+    self.assertNotIn(matmul.MKL_TARGET, _hlo(fn, x, w))
 
   def test_decode_round_bench_times_each_backend(self):
     from experiments import decode_round_bench
@@ -244,8 +269,35 @@ class MklTest(parameterized.TestCase):
     self.assertIn("attention impl cpu", decode_round_bench.format_result(r))
 
 
-class MklRefusalTest(absltest.TestCase):
-  """What runs without MKL: bad names, a missing extra, an engine that cannot have it."""
+class OnednnTest(LibraryCases, parameterized.TestCase):
+  """`matmul.onednn_dot_general`: LibraryCases, and bf16 at any row count (the `onednn` extra;
+  PAGED_JAX_REQUIRE_ONEDNN=1 in .ci/run's jax 0.12 stage)."""
+  backend = "onednn"
+  require = testing.REQUIRE_ONEDNN
+
+  @parameterized.parameters(1, 5, 33)
+  def test_bf16_is_the_f32_product_rounded_once(self, rows):
+    x, w = _operands(rows, 96, 300, jnp.bfloat16, seed=rows)
+    got = self.dot(x, w)
+    self.assertEqual((got.dtype, got.shape), (jnp.bfloat16, (rows, 300)))
+    self.assertIn(matmul.ONEDNN_TARGET,
+                  _hlo(lambda x, w: matmul.onednn_dot_general(x, w, _DIMS), x, w))
+    ref = np.asarray(x, np.float32) @ np.asarray(w, np.float32)   # exact products
+    np.testing.assert_allclose(np.asarray(got, np.float32), ref, rtol=2 ** -8, atol=1e-4)
+
+  def test_fewer_rows_than_the_minimum_stay_on_xla_s_dot(self):
+    fn = lambda x, w: matmul.onednn_dot_general(x, w, _DIMS)   # noqa: E731
+    with mock.patch.object(matmul, "ONEDNN_MIN_ROWS", 16):
+      for rows, dtype in itertools.product((1, 15, 16, 40), (jnp.float32, jnp.bfloat16)):
+        x, w = _operands(rows, 32, 24, dtype, seed=rows)
+        self.assertEqual(matmul.ONEDNN_TARGET in _hlo(fn, x, w), rows >= 16, (rows, dtype))
+        if rows < 16:
+          chex.assert_trees_all_equal(jax.jit(fn)(x, w), matmul.dot_general(x, w, _DIMS))
+
+
+class LibraryRefusalTest(parameterized.TestCase):
+  """What runs without the libraries: bad names, a missing extra, an engine that cannot have
+  one."""
 
   def test_bad_backend_names_are_refused_by_name(self):
     with self.assertRaisesRegex(ValueError, "matmul='blas'"):
@@ -258,6 +310,12 @@ class MklRefusalTest(absltest.TestCase):
     with mock.patch.object(metadata, "files", side_effect=metadata.PackageNotFoundError("mkl")):
       self.assertEqual(matmul.mkl_build_flags(),
                        "Intel MKL is not installed ('mkl': pip install -e .[mkl])")
+    missing = metadata.PackageNotFoundError("onednn-cpu-gomp")
+    with mock.patch.object(metadata, "files", side_effect=missing):
+      self.assertEqual(matmul.onednn_build_flags(), "oneDNN is not installed "
+                       "('onednn-cpu-gomp': pip install -e .[onednn])")
+    with mock.patch.object(metadata, "files", return_value=[]):   # installed, but no files
+      self.assertRegex(matmul.onednn_build_flags(), r"lack \['libdnnl.so', 'oneapi/dnnl/dnnl.hpp'\]")
 
   def test_cpu_vendor_is_read_from_proc_cpuinfo(self):
     text = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n"
@@ -273,15 +331,17 @@ class MklRefusalTest(absltest.TestCase):
     self.assertIn("'AuthenticAMD', not GenuineIntel", matmul.mkl_slow_reason("AuthenticAMD"))
     self.assertIn("unknown maker", matmul.mkl_slow_reason(""))
 
-  def test_engine_refuses_mkl_where_it_cannot_run_and_mkl_dot_general_too(self):
-    cfg = config.tiny_config(matmul="mkl")
+  @parameterized.parameters(("mkl", "MKL"), ("onednn", "oneDNN"))
+  def test_engine_refuses_a_library_where_it_cannot_run_and_its_dot_general_too(self, backend,
+                                                                                 name):
+    cfg = config.tiny_config(matmul=backend)
     params = testing.random_params(config.tiny_config(), seed=0)   # the same parameters
-    with mock.patch.object(matmul, "mkl_unavailable_reason", return_value="no MKL here"):
-      with self.assertRaisesRegex(ValueError, "matmul='mkl' cannot run here: no MKL here"):
+    with mock.patch.object(matmul, "unavailable_reason", return_value="not here"):
+      with self.assertRaisesRegex(ValueError, f"matmul='{backend}' cannot run here: not here"):
         engine.Engine(params, cfg, cache=CacheConfig(page_size=4, num_pages=8))
-      x, w = _operands(2, 8, 4, jnp.float32)
-      with self.assertRaisesRegex(ValueError, "the MKL matmul cannot run here: no MKL here"):
-        matmul.mkl_dot_general(x, w, _DIMS)
+      x, w = _operands(16, 8, 4, jnp.float32)   # rows oneDNN takes too
+      with self.assertRaisesRegex(ValueError, f"the {name} matmul cannot run here: not here"):
+        matmul.for_backend(backend)(x, w, _DIMS)
 
 
 if __name__ == "__main__":
