@@ -29,7 +29,8 @@ with; its kernels are chosen by instruction set, not by maker (AVX-512 brgemm on
 where MKL runs generic code). `cpu_matmul_onednn.cc` keeps one matmul primitive per shape and
 column block, runs each block on a thread of XLA's pool with one OpenMP thread (oneDNN's own
 two-thread OpenMP team was measured slower at 8-32 rows), on the weights as they are (no packed
-copy). It takes products of ONEDNN_MIN_ROWS rows or more, where it was measured faster.
+copy). It takes products of ONEDNN_MIN_ROWS rows or more by a [k, n] kernel, where it was
+measured faster; the tied LM head's transposed product stays on XLA's dot (ONEDNN_TAKES_TRANSPOSED).
 
 MKL's speed depends on the CPU's maker: it dispatches its tuned kernels on Intel CPUs only. On
 an AMD EPYC (Zen 4, AVX-512) it loads its generic kernels (`libmkl_def`): the engine ran 0.93x
@@ -84,6 +85,12 @@ MIN_COLUMNS_PER_THREAD = 256
 # one-row f32 decode step took 25.8 -> 34.6 ms (experiments/decode_round_bench.py): the small
 # q / k / v / o products and the transposed tied head lose most there.
 ONEDNN_MIN_ROWS = 16
+# Whether oneDNN takes a transposed rhs ([n, k]: the tied LM head). It does not: read as
+# oneDNN's plain "ba" layout it lost to XLA's dot at every row count in f32 (SmolLM2's head,
+# [rows x 576] x [576 x 49152] from memory, jax 0.10.2, XLA -> oneDNN ms: 16 rows 13.3 -> 19.5,
+# 32 rows 16.4 -> 24.4, 64 rows 25.8 -> 32.5) and at 16 rows in bf16 (6.1 -> 10.6; 32 rows
+# 8.8 -> 8.5, 64 rows 15.0 -> 12.6). The call itself takes it (tests set this to True).
+ONEDNN_TAKES_TRANSPOSED = False
 _MKL_LIBS = ("libmkl_intel_lp64.so", "libmkl_sequential.so", "libmkl_core.so")
 
 
@@ -257,12 +264,14 @@ def onednn_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_el
   """`dot_general` through oneDNN where it applies, else `dot_general` itself.
 
   It applies to f32 and bf16 operands with at least ONEDNN_MIN_ROWS lhs rows, under
-  `_library_rows`' conditions (a projection's kernel or the tied LM head). Accumulated in f32
+  `_library_rows`' conditions, to a projection's kernel ([k, n]); the tied LM head ([n, k]) only
+  with ONEDNN_TAKES_TRANSPOSED (off: measured slower). Accumulated in f32
   (bf16: cast back once, as `dot_general` does). `precision` is not passed on (XLA:CPU's f32 dot
   ignores it too). Raises a ValueError naming the reason where oneDNN cannot run.
   """
   rows = _library_rows(lhs, rhs, dimension_numbers, preferred_element_type)
-  if rows is None or rows < ONEDNN_MIN_ROWS:
+  transposed = tuple(dimension_numbers[0][1]) == (1,)
+  if rows is None or rows < ONEDNN_MIN_ROWS or (transposed and not ONEDNN_TAKES_TRANSPOSED):
     return dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
   return _through_library(onednn_matmul, lhs, rhs, dimension_numbers)
 

@@ -138,8 +138,9 @@ class LibraryCases:
       self.fail(f"the {self.backend} matmul is required here but cannot run: {self.reason}")
     if self.reason:
       self.skipTest(self.reason)
-    # Every row count goes to the library here (oneDNN's routing rule is tested on its own).
+    # Every product goes to the library here (oneDNN's routing rules are tested on their own).
     self.enter_context(mock.patch.object(matmul, "ONEDNN_MIN_ROWS", 1))
+    self.enter_context(mock.patch.object(matmul, "ONEDNN_TAKES_TRANSPOSED", True))
 
   def dot(self, x, w, dims=_DIMS, **kw):
     fn = matmul.for_backend(self.backend)
@@ -293,6 +294,17 @@ class OnednnTest(LibraryCases, parameterized.TestCase):
         self.assertEqual(matmul.ONEDNN_TARGET in _hlo(fn, x, w), rows >= 16, (rows, dtype))
         if rows < 16:
           chex.assert_trees_all_equal(jax.jit(fn)(x, w), matmul.dot_general(x, w, _DIMS))
+
+  def test_the_transposed_head_stays_on_xla_s_dot(self):
+    dims = (((1,), (1,)), ((), ()))
+    head = lambda x, w: matmul.onednn_dot_general(x, w, dims)   # noqa: E731
+    plain = lambda x, w: matmul.onednn_dot_general(x, w, _DIMS)   # noqa: E731
+    with mock.patch.object(matmul, "ONEDNN_TAKES_TRANSPOSED", False):
+      for dtype in (jnp.float32, jnp.bfloat16):
+        x, w = _operands(32, 24, 40, dtype, seed=3)
+        self.assertNotIn(matmul.ONEDNN_TARGET, _hlo(head, x, w.T))
+        chex.assert_trees_all_equal(jax.jit(head)(x, w.T), matmul.dot_general(x, w.T, dims))
+        self.assertIn(matmul.ONEDNN_TARGET, _hlo(plain, x, w))   # the same product, [k, n]
 
 
 class LibraryRefusalTest(parameterized.TestCase):
