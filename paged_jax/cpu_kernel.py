@@ -106,17 +106,21 @@ def build(compiler: str, source: str = SOURCE, extra: tuple[str, ...] = ()) -> s
   return path
 
 
-def load(source: str, symbol: str, target: str, extra: tuple[str, ...] = ()) -> str | None:
+def load(source: str, symbol: str, target: str, extra: tuple[str, ...] = (),
+         also: tuple[tuple[str, str], ...] = ()) -> str | None:
   """Builds `source` (`build`), loads its FFI handler `symbol` and registers it as the CPU custom
-  call `target`; None on success, else why not (no compiler, a failed build, no such symbol)."""
+  call `target` (and each further (symbol, target) of `also`); None on success, else why not
+  (no compiler, a failed build, no such symbol)."""
   compiler_path = compiler()
   if compiler_path is None:
     return f"no C++ compiler ({os.environ.get('CXX', 'c++')!r} is not on PATH; set $CXX)"
   try:
-    handler = getattr(ctypes.CDLL(build(compiler_path, source, extra)), symbol)
+    lib = ctypes.CDLL(build(compiler_path, source, extra))
+    handlers = [(getattr(lib, sym), tgt) for sym, tgt in ((symbol, target), *also)]
   except (RuntimeError, OSError, AttributeError) as e:
     return str(e)
-  jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
+  for handler, tgt in handlers:
+    jax.ffi.register_ffi_target(tgt, jax.ffi.pycapsule(handler), platform="cpu")
   return None
 
 

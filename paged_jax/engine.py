@@ -270,6 +270,8 @@ class Engine(EngineLoop):
       if why:
         raise ValueError(f"matmul={cfg.matmul!r} cannot run here: {why}")
       logging.info("matmuls: %s (paged_jax.matmul.%s_dot_general)", cfg.matmul, cfg.matmul)
+      if cfg.matmul == "onednn" and params is not None and not model.is_packed(params):
+        params = self.params = model.pack_for_onednn(params, cfg)   # model.Dense runs them
       if cfg.matmul == "mkl" and (slow := matmul.mkl_slow_reason()):
         logging.warning("matmul='mkl': %s", slow)
     why = kv_quant.unsupported_reason(self.kv_format, uses_kernel=uses_kernel, device=device)

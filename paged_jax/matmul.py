@@ -41,6 +41,7 @@ XLA, and `mkl_slow_reason()` names the maker for the engine's warning.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 
@@ -75,6 +76,7 @@ MKL_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_matmu
 MKL_TARGET = "paged_jax_cpu_matmul"
 ONEDNN_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_matmul_onednn.cc")
 ONEDNN_TARGET = "paged_jax_onednn_matmul"
+ONEDNN_PACKED_TARGET = "paged_jax_onednn_packed_matmul"
 # Columns of w per thread before a second thread takes half: an MLP projection of SmolLM2 (576
 # or 1,536 columns) is split, a tiny test matrix is not.
 MIN_COLUMNS_PER_THREAD = 256
@@ -134,9 +136,10 @@ def onednn_build_flags() -> tuple[str, ...] | str:
                       "oneapi/dnnl/dnnl.hpp", 3, ("libdnnl.so",), ("-lgomp",))
 
 
-_LIBRARIES = {   # backend: (source, FFI symbol, target, build flags)
-    "mkl": (MKL_SOURCE, "PagedJaxCpuMatmul", MKL_TARGET, mkl_build_flags),
-    "onednn": (ONEDNN_SOURCE, "PagedJaxOnednnMatmul", ONEDNN_TARGET, onednn_build_flags),
+_LIBRARIES = {   # backend: (source, FFI symbol, target, build flags, further (symbol, target))
+    "mkl": (MKL_SOURCE, "PagedJaxCpuMatmul", MKL_TARGET, mkl_build_flags, ()),
+    "onednn": (ONEDNN_SOURCE, "PagedJaxOnednnMatmul", ONEDNN_TARGET, onednn_build_flags,
+               (("PagedJaxOnednnPackedMatmul", ONEDNN_PACKED_TARGET),)),
 }
 
 
@@ -145,11 +148,11 @@ def _load(backend: str) -> str | None:
   """Builds, loads and registers a library backend's call once per process; None on success,
   else why not."""
   from paged_jax import cpu_kernel
-  source, symbol, target, build_flags = _LIBRARIES[backend]
+  source, symbol, target, build_flags, also = _LIBRARIES[backend]
   flags = build_flags()
   if isinstance(flags, str):
     return flags
-  return cpu_kernel.load(source, symbol, target, flags)
+  return cpu_kernel.load(source, symbol, target, flags, also)
 
 
 def unavailable_reason(backend: str, device: jax.Device | None = None) -> str | None:
@@ -283,6 +286,111 @@ def onednn_matmul(x, w, transpose: bool = False):
   ValueError naming the reason where oneDNN cannot run.
   """
   return _library_call("onednn", "oneDNN", x, w, transpose)
+
+
+# A packed product of at least twice this many rows is split between threads by rows (each
+# reads all of w: prefill); fewer rows, by columns (each reads its share of w: decode).
+MIN_ROWS_PER_THREAD = 16
+
+
+@functools.cache
+def _onednn_library() -> ctypes.CDLL:
+  """The built oneDNN call's host-side functions (packing); a ValueError where it cannot run."""
+  reason = unavailable_reason("onednn")
+  if reason is not None:
+    raise ValueError(f"the oneDNN matmul cannot run here: {reason}")
+  from paged_jax import cpu_kernel
+  lib = ctypes.CDLL(cpu_kernel.build(cpu_kernel.compiler(), ONEDNN_SOURCE, onednn_build_flags()))
+  i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+  lib.PagedJaxOnednnPackedBytes.restype = i64
+  lib.PagedJaxOnednnPackedBytes.argtypes = [i32, i64, i64, ctypes.POINTER(i64)]
+  lib.PagedJaxOnednnPack.argtypes = [i32, i64, i64, i32, ptr, ptr]
+  lib.PagedJaxOnednnPackedImpl.argtypes = [i32, i64, i64, i64, ctypes.c_char_p, i64]
+  return lib
+
+
+def _packable_dtype(dtype) -> bool:
+  return jnp.dtype(dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+def onednn_packed_bytes(dtype, k: int, n: int) -> int | None:
+  """Bytes of a [k, n] weight in the layout oneDNN's matmul asks for, or None where that layout
+  is not one `onednn_packed_matmul` takes (not blocked by columns) or the dtype is not f32 /
+  bf16. A ValueError where oneDNN cannot run."""
+  if not _packable_dtype(dtype):
+    return None
+  block = ctypes.c_int64(0)
+  got = _onednn_library().PagedJaxOnednnPackedBytes(
+      int(jnp.dtype(dtype) == jnp.bfloat16), k, n, ctypes.byref(block))
+  if got == -2:
+    raise ValueError(f"oneDNN failed to choose a layout for a {jnp.dtype(dtype).name} [{k}, {n}] "
+                     "weight")
+  return None if got < 0 else int(got)
+
+
+def onednn_pack(w, transpose: bool = False) -> jax.Array:
+  """w's copy in oneDNN's packed layout, for `onednn_packed_matmul`: computed on the host once.
+
+  w: f32 or bf16 [k, n] (a projection's kernel), or [n, k] with `transpose` (a tied LM head's
+  embedding). Returns a 1-d array of w's dtype holding `onednn_packed_bytes` bytes (zero padding
+  where n is not a whole number of oneDNN's column blocks). Raises a ValueError naming the
+  reason where it cannot (oneDNN missing, another dtype, a layout it does not take)."""
+  arr = np.ascontiguousarray(np.asarray(w))
+  if arr.ndim != 2 or not _packable_dtype(arr.dtype):
+    raise ValueError(f"onednn_pack takes a 2-d f32 or bf16 weight; got {arr.dtype} {arr.shape}")
+  k, n = (arr.shape[1], arr.shape[0]) if transpose else arr.shape
+  nbytes = onednn_packed_bytes(arr.dtype, k, n)
+  if nbytes is None:
+    raise ValueError(f"oneDNN asks for a {arr.dtype} [{k}, {n}] weight in a layout the packed "
+                     "product does not take (not blocked by columns)")
+  out = np.empty(nbytes // arr.itemsize, arr.dtype)
+  rc = _onednn_library().PagedJaxOnednnPack(int(arr.dtype == jnp.bfloat16), k, n,
+                                            int(transpose), arr.ctypes.data, out.ctypes.data)
+  if rc:
+    raise ValueError(f"oneDNN failed to pack a {arr.dtype} [{k}, {n}] weight (code {rc})")
+  return jnp.asarray(out)
+
+
+def onednn_packed_impl(dtype, m: int, k: int, cols: int) -> str:
+  """oneDNN's name for the kernel a packed product of m rows and `cols` columns runs (e.g.
+  "brg:avx512_core"; "ref" would be its slow reference code)."""
+  buf = ctypes.create_string_buffer(128)
+  rc = _onednn_library().PagedJaxOnednnPackedImpl(int(jnp.dtype(dtype) == jnp.bfloat16), m, k,
+                                                  cols, buf, len(buf))
+  if rc:
+    raise ValueError(f"no packed oneDNN product for {jnp.dtype(dtype).name} [{m}, {k}] x "
+                     f"[{k}, {cols}] (code {rc})")
+  return buf.value.decode()
+
+
+def onednn_packed_matmul(x, packed, n: int):
+  """f32[m, n] = x @ w, w given as `onednn_pack(w)` (`packed`, 1-d, x's dtype), at any row count.
+
+  Split between XLA's pool threads by rows from 2 x MIN_ROWS_PER_THREAD rows, else by column
+  blocks. Raises a ValueError naming the reason where oneDNN cannot run or `packed` is not a
+  packed [k, n] of x's dtype."""
+  reason = unavailable_reason("onednn")
+  if reason is not None:
+    raise ValueError(f"the oneDNN matmul cannot run here: {reason}")
+  if x.ndim != 2 or packed.ndim != 1 or packed.dtype != x.dtype:
+    raise ValueError(f"onednn_packed_matmul takes x [m, k] and a packed 1-d weight of its dtype; "
+                     f"got {x.dtype}{list(x.shape)} and {packed.dtype}{list(packed.shape)}")
+  want = onednn_packed_bytes(x.dtype, x.shape[1], n)
+  if want is None or packed.size * packed.dtype.itemsize != want:
+    raise ValueError(f"packed has {packed.size * packed.dtype.itemsize} bytes; oneDNN's packed "
+                     f"{x.dtype} [{x.shape[1]}, {n}] has {want}")
+  return jax.ffi.ffi_call(ONEDNN_PACKED_TARGET,
+                          jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(
+      x, packed, n=np.int64(n), min_columns_per_thread=np.int64(MIN_COLUMNS_PER_THREAD),
+      min_rows_per_thread=np.int64(MIN_ROWS_PER_THREAD))
+
+
+def onednn_packed_dot(x, packed, n: int):
+  """x [..., k] @ w -> [..., n] in x's dtype (accumulated in f32, cast once), w packed by
+  `onednn_pack`: what a packed projection (`model.PackedDense`) and a packed tied head run."""
+  rows = int(np.prod(x.shape[:-1]))
+  out = onednn_packed_matmul(x.reshape(rows, x.shape[-1]), packed, n)
+  return out.astype(x.dtype).reshape(*x.shape[:-1], n)
 
 
 def for_backend(backend: str):

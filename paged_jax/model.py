@@ -163,9 +163,31 @@ def norm(cfg: ModelConfig, name: str | None = None) -> RMSNorm:
 
 def _dense(features: int, name: str | None = None, dtype=None, bias: bool = False,
            backend: str = "xla") -> nn.Dense:
-  return nn.Dense(features, use_bias=bias, dtype=dtype, param_dtype=dtype, name=name,
-                  kernel_init=nn.initializers.normal(0.02),
-                  dot_general=matmul.for_backend(backend))
+  return Dense(features, use_bias=bias, dtype=dtype, param_dtype=dtype, name=name,
+               kernel_init=nn.initializers.normal(0.02), dot_general=matmul.for_backend(backend))
+
+
+# `pack_for_onednn`'s parameter names: a projection's packed kernel (in place of `kernel`), and
+# a tied LM head's packed copy of the embedding (beside the embedding, which the token lookup
+# still reads).
+PACKED_KERNEL = "packed_kernel"
+PACKED_ATTEND = "packed_attend"
+
+
+class Dense(nn.Dense):
+  """nn.Dense (same parameters, same product), or, where its params hold `packed_kernel`
+  (`pack_for_onednn`: 1-d, oneDNN's layout of the [in, features] kernel) instead of `kernel`,
+  the product through `matmul.onednn_packed_dot` at any row count, plus the same bias."""
+
+  @nn.compact
+  def __call__(self, inputs):
+    if not self.has_variable("params", PACKED_KERNEL):
+      return super().__call__(inputs)
+    packed = self.get_variable("params", PACKED_KERNEL)   # not self.param: no [in, out] shape
+    y = matmul.onednn_packed_dot(inputs.astype(self.dtype), packed, self.features)
+    if self.use_bias:
+      y = y + self.get_variable("params", "bias").astype(self.dtype)
+    return y
 
 
 class Embed(nn.Embed):
@@ -178,7 +200,12 @@ class Embed(nn.Embed):
     return jnp.take(self.embedding.astype(self.dtype), inputs, axis=0, mode="clip")
 
   def attend(self, query):
-    """query: [T, hidden] -> [T, vocab] against the embedding rows (a tied LM head)."""
+    """query: [T, hidden] -> [T, vocab] against the embedding rows (a tied LM head); through its
+    packed copy where `pack_for_onednn` made one."""
+    if self.has_variable("params", PACKED_ATTEND):
+      return matmul.onednn_packed_dot(query.astype(self.dtype),
+                                      self.get_variable("params", PACKED_ATTEND),
+                                      self.num_embeddings)
     return matmul.for_backend(self.matmul)(
         query.astype(self.dtype), self.embedding.astype(self.dtype), (((1,), (1,)), ((), ())))
 
@@ -448,6 +475,52 @@ def fuse_projections(params) -> dict:
                          f"{parts}: nothing to fuse into {fused}")
     return out
   return walk(params)
+
+
+def pack_for_onednn(params, cfg: ModelConfig) -> dict:
+  """Every projection's kernel in oneDNN's packed layout (`matmul.onednn_pack`), for
+  `ModelConfig.matmul="onednn"` (the engine does this at construction): `kernel` [in, out] (or
+  `stack_layers`' [reps, in, out]) becomes `packed_kernel` (1-d, or [reps, bytes]), which
+  `Dense` multiplies through `matmul.onednn_packed_dot` at every row count; a tied LM head gets
+  `packed_attend`, a packed copy of the embedding (the lookup keeps reading the embedding, so
+  that is the one weight held twice: 113 MB for SmolLM2 in f32). Packed products ran faster
+  than XLA's dot and than oneDNN on the plain weights at 1-256 rows (results page). A weight
+  oneDNN does not pack (another dtype, a layout not blocked by columns) is left as it is and
+  runs through `matmul.onednn_dot_general`. Returns a new tree; ValueError where oneDNN cannot
+  run."""
+  def pack(kernel):
+    k, n = kernel.shape[-2:]
+    if matmul.onednn_packed_bytes(kernel.dtype, k, n) is None:
+      return None
+    if kernel.ndim == 2:
+      return matmul.onednn_pack(kernel)
+    return jnp.stack([matmul.onednn_pack(w) for w in kernel])
+
+  def walk(tree):
+    if not isinstance(tree, collections.abc.Mapping):
+      return tree.__class__(walk(t) for t in tree) if isinstance(tree, (tuple, list)) else tree
+    out = {k: walk(v) for k, v in tree.items()}
+    kernel = out.get("kernel")
+    if kernel is not None and getattr(kernel, "ndim", 0) in (2, 3):
+      packed = pack(kernel)
+      if packed is not None:
+        del out["kernel"]
+        out[PACKED_KERNEL] = packed
+    return out
+
+  packed = walk(params)
+  embed = packed.get("embed_tokens")
+  if cfg.tie_embeddings and embed is not None and PACKED_ATTEND not in embed:
+    table = embed["embedding"]
+    if matmul.onednn_packed_bytes(table.dtype, table.shape[1], table.shape[0]) is not None:
+      packed["embed_tokens"] = {**embed, PACKED_ATTEND: matmul.onednn_pack(table, transpose=True)}
+  return packed
+
+
+def is_packed(params) -> bool:
+  """Params in `pack_for_onednn`'s layout."""
+  return any(getattr(k, "key", None) in (PACKED_KERNEL, PACKED_ATTEND)
+             for path, _ in jax.tree_util.tree_flatten_with_path(params)[0] for k in path)
 
 
 def is_fused(params) -> bool:

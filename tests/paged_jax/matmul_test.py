@@ -307,6 +307,106 @@ class OnednnTest(LibraryCases, parameterized.TestCase):
         self.assertIn(matmul.ONEDNN_TARGET, _hlo(plain, x, w))   # the same product, [k, n]
 
 
+class OnednnPackedTest(parameterized.TestCase):
+  """Packed weights (`matmul.onednn_pack`, `onednn_packed_matmul`, `model.pack_for_onednn`): what
+  `matmul="onednn"` engines run. Skipped where the `onednn` extra is not installed, saying why,
+  except under PAGED_JAX_REQUIRE_ONEDNN=1."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.reason = matmul.unavailable_reason("onednn")
+
+  def setUp(self):
+    super().setUp()
+    if self.reason and testing.REQUIRE_ONEDNN:
+      self.fail(f"the onednn matmul is required here but cannot run: {self.reason}")
+    if self.reason:
+      self.skipTest(self.reason)
+
+  def packed(self, x, w, transpose=False):
+    n = w.shape[0] if transpose else w.shape[1]
+    p = matmul.onednn_pack(w, transpose=transpose)
+    return jax.jit(lambda x, p: matmul.onednn_packed_matmul(x, p, n))(x, p)
+
+  def test_products_equal_the_float64_product(self):
+    # rows 40: split by rows (2 x MIN_ROWS_PER_THREAD and more); n=333: a partial column block;
+    # 1024: split by columns; k=48: a partial block of k (bf16 packs k in 32s).
+    for dtype, rows, k, n in itertools.product((jnp.float32, jnp.bfloat16), (1, 3, 17, 40),
+                                               (40, 48), (8, 333, 1024)):
+      with self.subTest(dtype=dtype.__name__, rows=rows, k=k, n=n):
+        x, w = _operands(rows, k, n, dtype, seed=rows * n + k)
+        got = self.packed(x, w)
+        self.assertEqual((got.dtype, got.shape), (jnp.float32, (rows, n)))
+        ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)   # exact products of bf16
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-4)
+        np.testing.assert_array_equal(got, self.packed(x, w.T, transpose=True))
+
+  def test_two_threads_running_one_primitive_at_once_agree(self):
+    # Each pool thread passes its own scratchpad: with oneDNN's shared one, bf16 products with a
+    # partial block of k split between the threads went wrong (max error ~50) now and then.
+    x, w = _operands(300, 48, 200, jnp.bfloat16, seed=7)
+    p = matmul.onednn_pack(w)
+    fn = jax.jit(lambda x, p: matmul.onednn_packed_matmul(x, p, 200))
+    ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    for _ in range(20):
+      np.testing.assert_allclose(fn(x, p), ref, rtol=1e-5, atol=1e-4)
+
+  def test_threads_by_rows_by_columns_or_one_give_the_same_product(self):
+    x, w = _operands(64, 96, 700, jnp.float32, seed=1)
+    results = {}
+    for name, rows, cols in (("one", 0, 0), ("columns", 0, matmul.MIN_COLUMNS_PER_THREAD),
+                             ("rows", matmul.MIN_ROWS_PER_THREAD, 0)):
+      with mock.patch.object(matmul, "MIN_ROWS_PER_THREAD", rows), \
+           mock.patch.object(matmul, "MIN_COLUMNS_PER_THREAD", cols):
+        results[name] = self.packed(x, w)
+    chex.assert_trees_all_equal(results["one"], results["columns"])
+    chex.assert_trees_all_equal(results["one"], results["rows"])
+
+  def test_oneDNN_runs_its_own_kernel_not_its_reference_code(self):
+    for dtype, rows in itertools.product((jnp.float32, jnp.bfloat16), (1, 16, 4560)):
+      self.assertNotIn("ref", matmul.onednn_packed_impl(dtype, rows, 576, 1536), (dtype, rows))
+
+  def test_bad_input_is_refused_by_name(self):
+    x, w = _operands(4, 40, 64, jnp.float32)
+    p = matmul.onednn_pack(w)
+    with self.assertRaisesRegex(ValueError, r"packed has \d+ bytes; .* \[40, 65\]"):
+      matmul.onednn_packed_matmul(x, p, 65)
+    with self.assertRaisesRegex(ValueError, "of its dtype"):
+      matmul.onednn_packed_matmul(x.astype(jnp.bfloat16), p, 64)
+    with self.assertRaisesRegex(ValueError, "int32"):
+      matmul.onednn_pack(jnp.ones((4, 8), jnp.int32))
+
+  @parameterized.parameters(False, True)
+  def test_an_onednn_engine_packs_every_projection_and_the_tied_head(self, scan_layers):
+    cfg = config.tiny_config(tie_embeddings=True, matmul="onednn")
+    params = testing.random_params(cfg, seed=5)
+    e = engine.Engine(params, cfg, cache=CacheConfig(page_size=4, num_pages=40),
+                      scan_layers=scan_layers)
+    paths = ["/".join(str(getattr(k, "key", k)) for k in path)
+             for path, _ in jax.tree_util.tree_flatten_with_path(e.params)[0]]
+    self.assertTrue(model.is_packed(e.params))
+    self.assertEqual([p for p in paths if p.endswith("/kernel")], [])
+    self.assertIn("embed_tokens/" + model.PACKED_ATTEND, paths)
+    ref = engine.Engine(params, config.tiny_config(tie_embeddings=True),
+                        cache=CacheConfig(page_size=4, num_pages=40), scan_layers=scan_layers)
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompts = [[3, 4, 5], [9, 8, 7, 6, 5, 4]]
+    self.assertEqual([o.outputs[0].token_ids for o in e.generate(prompts, sp)],
+                     [o.outputs[0].token_ids for o in ref.generate(prompts, sp)])
+
+  def test_packed_logits_match_xla_s(self):
+    cfg = config.tiny_config(tie_embeddings=False, matmul="onednn", attention_bias=True)
+    params = testing.random_params(cfg, seed=2)
+    tokens = np.arange(1, 12, dtype=np.int32)
+    packed = model.pack_for_onednn(params, cfg)
+    self.assertIn(model.PACKED_KERNEL, packed["lm_head"])
+    got = testing.dense_logits(packed, cfg, tokens)
+    want = testing.dense_logits(params, config.tiny_config(tie_embeddings=False,
+                                                           attention_bias=True), tokens)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 class LibraryRefusalTest(parameterized.TestCase):
   """What runs without the libraries: bad names, a missing extra, an engine that cannot have
   one."""
