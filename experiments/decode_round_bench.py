@@ -12,7 +12,7 @@ calls) for each variant:
 - items_per_chunk: decode attention's work items per loop iteration (the default follows the
   rows, `attention.decode_items_per_chunk`; 64 was the default before issue 32; the XLA path's);
 - matmul: how the model multiplies (`ModelConfig.matmul`: "xla", or "mkl" / "onednn" with their
-  extras).
+  extras; "onednn" on weights packed by `model.pack_for_onednn`, as its engine runs them).
 
 --impl picks decode attention's path for every variant ("xla", the default here; "cpu": the C++
 kernel the engine takes on a CPU).
@@ -49,7 +49,7 @@ class RoundConfig:
 
 def run(cfg: RoundConfig) -> dict:
   """{"rows": [{rows, items_per_chunk, matmul, ms_per_step}], ...}."""
-  from paged_jax import attention, checkpoint, embedded, step
+  from paged_jax import attention, checkpoint, embedded, model, step
   from paged_jax.engine import Engine
   from paged_jax.host import batching
   from paged_jax.host.scheduler import SchedulerConfig
@@ -68,6 +68,13 @@ def run(cfg: RoundConfig) -> dict:
   one = batching.build_decode_round(plan, engine.bm, engine.max_pages_per_seq)
   out = []
   real = attention.decode_attention_xla
+
+  @functools.cache
+  def packed_params(backend):   # what an Engine with that backend runs (it packs for oneDNN)
+    if backend == "onednn":
+      return model.pack_for_onednn(engine.params, dataclasses.replace(mcfg, matmul=backend))
+    return engine.params
+
   try:
     for rows in cfg.rows:
       pad = rows - len(one["tokens"])
@@ -78,6 +85,7 @@ def run(cfg: RoundConfig) -> dict:
                                  ("tokens", "positions", "block_tables", "write_limit")))
       sampling = SamplingArrays.from_rows(batching.sampling_rows(plan), rows)
       for chunk, backend in itertools.product(cfg.items_per_chunk, cfg.matmul):
+        params = packed_params(backend)
         attention.decode_attention_xla = (real if chunk == DEFAULT_CHUNK else
                                           functools.partial(real, items_per_chunk=chunk))
         fn = jax.jit(functools.partial(step.multi_step_decode.__wrapped__,
@@ -85,12 +93,12 @@ def run(cfg: RoundConfig) -> dict:
                                        num_steps=plan.num_steps, impl=cfg.impl, greedy_only=True),
                      donate_argnums=(1,))
         pool = engine.pool
-        res, pool = fn(engine.params, pool, state, sampling)
+        res, pool = fn(params, pool, state, sampling)
         jax.block_until_ready(res)
         times = []
         for _ in range(cfg.rounds):
           t = time.perf_counter()
-          res, pool = fn(engine.params, pool, state, sampling)
+          res, pool = fn(params, pool, state, sampling)
           jax.block_until_ready(res)
           times.append(time.perf_counter() - t)
         engine.pool = pool

@@ -5,6 +5,7 @@
   python -m experiments.profile_step --model_dir=D --dtype=bfloat16   # a checkpoint, in bf16
   python -m experiments.profile_step --model_dir=D --num_requests=1    # one user (batch 1)
   python -m experiments.profile_step --model_dir=D --scan_layers       # layers as one scan
+  python -m experiments.profile_step --model_dir=D --matmul=onednn     # oneDNN's packed matmuls
 
 Runs the serve benchmark's workload (experiments/serve_bench.py) through the engine once to
 compile, then traces one prefill step of every prompt and one decode round with
@@ -54,6 +55,7 @@ class ProfileConfig:
   bench: serve_bench.BenchConfig = serve_bench.BenchConfig()
   repeats: int = 3
   scan_layers: bool = False   # the decoder's layers as one scanned body (`Engine(scan_layers=)`)
+  matmul: str = "xla"         # `ModelConfig.matmul` (the engine packs the weights for "onednn")
 
 
 UNNAMED_DOTS = "matmuls (no op_name)"
@@ -113,6 +115,7 @@ def run(cfg: ProfileConfig, model_dir: str | None = None) -> dict:
   if not glob.glob(f"{path}/config.json"):
     serve_bench.make_model(bench, path)
   params, mcfg, _ = checkpoint.load_checkpoint(path, bench.dtype, stacked=cfg.scan_layers)
+  mcfg = dataclasses.replace(mcfg, matmul=cfg.matmul)
   prompts = serve_bench.workload(bench)
   longest = max(map(len, prompts)) + bench.new_tokens + bench.steps_per_sync
   engine = Engine(params, mcfg, cache=CacheConfig(
@@ -122,6 +125,7 @@ def run(cfg: ProfileConfig, model_dir: str | None = None) -> dict:
                                                            sum(map(len, prompts))),
                                 steps_per_sync=bench.steps_per_sync),
       scan_layers=cfg.scan_layers)
+  params = engine.params   # as the engine runs them (stacked, packed)
   sp = SamplingParams(max_tokens=bench.new_tokens, ignore_eos=True)
   for p in prompts:
     engine.add_request(p, sp)
@@ -179,7 +183,7 @@ def main(argv):
   r = run(ProfileConfig(serve_bench.BenchConfig(preset=f.preset, steps_per_sync=f.steps_per_sync,
                                                  dtype=f.dtype,
                                                  num_requests=f.num_requests),
-                         scan_layers=f.scan_layers),
+                         scan_layers=f.scan_layers, matmul=f.matmul),
           f.model_dir)
   print(format_result(r))
 
@@ -192,4 +196,6 @@ if __name__ == "__main__":
   flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Weights and KV pool dtype.")
   flags.DEFINE_integer("num_requests", 32, "Prompts of the workload (1: a single user's decode).")
   flags.DEFINE_bool("scan_layers", False, "The decoder's layers as one scanned body.")
+  flags.DEFINE_enum("matmul", "xla", ["xla", "mkl", "onednn"], "How the model multiplies "
+                    "(paged_jax.matmul.BACKENDS).")
   app.run(main)

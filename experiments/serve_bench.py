@@ -176,6 +176,9 @@ def worker_paged_jax(cfg: BenchConfig, path: str, impl: str = "auto",
   mesh = sharding.mesh_from_flag(cfg.mesh)
   params, mcfg, _ = checkpoint.load_checkpoint(cfg.model or path, cfg.dtype)
   mcfg = dataclasses.replace(mcfg, matmul=matmul)
+  if matmul == "onednn":   # packed once here, as a server packs once at start (outside the timing)
+    from paged_jax import model
+    params = model.pack_for_onednn(params, mcfg)
   prompts = workload(cfg)
   longest = max(map(len, prompts)) + cfg.new_tokens
   num_pages = 1 + len(prompts) * -(-longest // cfg.page_size)

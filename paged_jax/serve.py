@@ -477,7 +477,8 @@ def define_engine_flags():
   flags.DEFINE_enum("impl", "auto", list(attention.IMPLS), "Attention path.")
   flags.DEFINE_enum("matmul", "xla", list(matmul.BACKENDS),
                     "How the model multiplies: XLA's dot, or on a CPU Intel MKL (pip install "
-                    "-e .[mkl]) or oneDNN (pip install -e .[onednn]); paged_jax.matmul.")
+                    "-e .[mkl]) or oneDNN on weights packed at start (pip install -e "
+                    ".[onednn]); paged_jax.matmul.")
   flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter dtype.")
   flags.DEFINE_integer("seed", 0, "Workload and request seeds.")
   flags.DEFINE_enum("warmup", "off", list(WARMUPS),

@@ -395,6 +395,21 @@ class OnednnPackedTest(parameterized.TestCase):
     self.assertEqual([o.outputs[0].token_ids for o in e.generate(prompts, sp)],
                      [o.outputs[0].token_ids for o in ref.generate(prompts, sp)])
 
+  def test_the_benches_run_packed_weights(self):
+    from experiments import decode_round_bench, profile_step, serve_bench
+    with mock.patch.object(model, "pack_for_onednn", wraps=model.pack_for_onednn) as pack:
+      r = decode_round_bench.run(decode_round_bench.RoundConfig(
+          prompt_tokens=20, steps_per_sync=2, rows=(1,), items_per_chunk=(0,), rounds=1,
+          matmul=("xla", "onednn"), impl="cpu"))
+    self.assertEqual([x["matmul"] for x in r["rows"]], ["xla", "onednn"])
+    self.assertEqual(pack.call_count, 1)
+    r = profile_step.run(profile_step.ProfileConfig(serve_bench.BenchConfig(
+        preset="tiny", vocab_size=64, num_requests=3, min_prompt=4, max_prompt=20, new_tokens=5,
+        page_size=4, steps_per_sync=2), repeats=1, matmul="onednn"))
+    for kind in ("prefill", "decode"):   # the packed products' custom calls, by module
+      for part in ("mlp", "q/k/v/o projections", "lm head"):
+        self.assertGreater(r[kind].get(part, 0), 0, (kind, part, r[kind]))
+
   def test_packed_logits_match_xla_s(self):
     cfg = config.tiny_config(tie_embeddings=False, matmul="onednn", attention_bias=True)
     params = testing.random_params(cfg, seed=2)
