@@ -109,6 +109,33 @@ std::shared_ptr<const Product> Primitive(const Key& key) {
   return product;
 }
 
+// Runs task(stream, i) for i in [0, total) on the caller and up to threads - 1 pool threads, each
+// with its own oneDNN stream and one OpenMP thread (that thread's own setting: oneDNN runs on it
+// alone); false if a task threw. Returns once every block is done; a pool task that starts later
+// finds no block left and does not call task.
+template <typename Task>
+bool RunBlocks(ffi::ThreadPool& pool, int64_t threads, int64_t total, Task task) {
+  auto work = std::make_shared<Work>();
+  work->total = total;
+  auto failed = std::make_shared<std::atomic<bool>>(false);
+  auto drain = [=]() {
+    thread_local dnnl::stream stream(Engine());
+    omp_set_num_threads(1);
+    for (int64_t i; (i = work->next.fetch_add(1)) < work->total;) {
+      try {
+        task(stream, i);
+      } catch (const dnnl::error&) {
+        failed->store(true);
+      }
+      work->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t h = 1; h < std::min(threads, total); ++h) pool.Schedule(decltype(drain)(drain));
+  drain();
+  while (work->done.load(std::memory_order_acquire) < work->total) std::this_thread::yield();
+  return !failed->load();
+}
+
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, bool transpose_rhs,
                   int64_t min_columns_per_thread, ffi::Result<ffi::Buffer<ffi::F32>> out) {
   auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
@@ -144,30 +171,15 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, bool
   } catch (const dnnl::error& e) {
     return ffi::Error::Internal(std::string("paged_jax oneDNN matmul: ") + e.what());
   }
-  auto work = std::make_shared<Work>();
-  work->total = (n + cols - 1) / cols;
-  auto failed = std::make_shared<std::atomic<bool>>(false);
-  auto drain = [=]() {
-    thread_local dnnl::stream stream(Engine());
-    omp_set_num_threads(1);   // this pool thread's own setting: oneDNN runs on it alone
-    for (int64_t i; (i = work->next.fetch_add(1)) < work->total;) {
-      const int64_t n0 = i * cols;
-      const bool last = n0 + cols > n;
-      const Product& p = last ? *tail : *full;
-      try {
-        // Row-major: w's column block starts n0 columns in ([k, n]) or n0 rows in ([n, k]).
-        Execute(p, stream, xp, wp + (transpose_rhs ? n0 * k : n0) * size, o + n0);
-      } catch (const dnnl::error&) {
-        failed->store(true);
-      }
-      work->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int64_t h = 1; h < std::min(threads, work->total); ++h) pool.Schedule(decltype(drain)(drain));
-  drain();
-  while (work->done.load(std::memory_order_acquire) < work->total) std::this_thread::yield();
-  if (failed->load()) return ffi::Error::Internal("paged_jax oneDNN matmul: a block failed");
-  return ffi::Error::Success();
+  const bool ok = RunBlocks(pool, threads, (n + cols - 1) / cols,
+                            [&](dnnl::stream& stream, int64_t i) {
+    const int64_t n0 = i * cols;
+    const Product& p = n0 + cols > n ? *tail : *full;
+    // Row-major: w's column block starts n0 columns in ([k, n]) or n0 rows in ([n, k]).
+    Execute(p, stream, xp, wp + (transpose_rhs ? n0 * k : n0) * size, o + n0);
+  });
+  return ok ? ffi::Error::Success()
+            : ffi::Error::Internal("paged_jax oneDNN matmul: a block failed");
 }
 
 // ----------------------------------------------------------------------------- packed weights
@@ -230,31 +242,6 @@ std::shared_ptr<const Product> PackedPrimitive(bool bf16, int64_t m, int64_t k, 
   auto product = MakeProduct(a, b, c);
   cache.emplace(key, product);
   return product;
-}
-
-// Runs task(i) for i in [0, total) on the caller and up to threads - 1 pool threads, each with
-// its own oneDNN stream and one OpenMP thread; false if a task threw.
-template <typename Task>
-bool RunBlocks(ffi::ThreadPool& pool, int64_t threads, int64_t total, Task task) {
-  auto work = std::make_shared<Work>();
-  work->total = total;
-  auto failed = std::make_shared<std::atomic<bool>>(false);
-  auto drain = [=]() {
-    thread_local dnnl::stream stream(Engine());
-    omp_set_num_threads(1);
-    for (int64_t i; (i = work->next.fetch_add(1)) < work->total;) {
-      try {
-        task(stream, i);
-      } catch (const dnnl::error&) {
-        failed->store(true);
-      }
-      work->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int64_t h = 1; h < std::min(threads, total); ++h) pool.Schedule(decltype(drain)(drain));
-  drain();
-  while (work->done.load(std::memory_order_acquire) < work->total) std::this_thread::yield();
-  return !failed->load();
 }
 
 ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, int64_t n,

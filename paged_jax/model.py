@@ -459,10 +459,7 @@ def fuse_projections(params) -> dict:
 
   params: a tree whose layer subtrees hold q_proj / k_proj / v_proj and gate_proj / up_proj.
   Returns a new tree; the unfused weights are not kept."""
-  def walk(tree):
-    if not isinstance(tree, collections.abc.Mapping):
-      return tree.__class__(walk(t) for t in tree) if isinstance(tree, (tuple, list)) else tree
-    out = {k: walk(v) for k, v in tree.items()}
+  def fuse(out):
     for fused, parts in FUSED_PROJECTIONS.items():
       if all(p in out for p in parts):
         leaves = [out.pop(p) for p in parts]
@@ -474,7 +471,17 @@ def fuse_projections(params) -> dict:
         raise ValueError(f"a layer has {sorted(p for p in parts if p in out)} but not all of "
                          f"{parts}: nothing to fuse into {fused}")
     return out
-  return walk(params)
+  return _rebuild_mappings(params, fuse)
+
+
+def _rebuild_mappings(tree, fn):
+  """`tree` rebuilt bottom up, every mapping replaced by fn(a new dict of its rebuilt items)
+  (tuples and lists rebuilt, other leaves kept)."""
+  if not isinstance(tree, collections.abc.Mapping):
+    if isinstance(tree, (tuple, list)):
+      return tree.__class__(_rebuild_mappings(t, fn) for t in tree)
+    return tree
+  return fn({k: _rebuild_mappings(v, fn) for k, v in tree.items()})
 
 
 def pack_for_onednn(params, cfg: ModelConfig) -> dict:
@@ -483,8 +490,9 @@ def pack_for_onednn(params, cfg: ModelConfig) -> dict:
   `stack_layers`' [reps, in, out]) becomes `packed_kernel` (1-d, or [reps, bytes]), which
   `Dense` multiplies through `matmul.onednn_packed_dot` at every row count; a tied LM head gets
   `packed_attend`, a packed copy of the embedding (the lookup keeps reading the embedding, so
-  that is the one weight held twice: 113 MB for SmolLM2 in f32). Packed products ran faster
-  than XLA's dot and than oneDNN on the plain weights at 1-256 rows (results page). A weight
+  that is the one weight held twice: 113 MB for SmolLM2 in f32). In SmolLM2's decode steps the
+  packed products ran faster than XLA's dot and than oneDNN on the plain weights (results
+  page, "2026-12-07, later"). A weight
   oneDNN does not pack (another dtype, a layout not blocked by columns) is left as it is and
   runs through `matmul.onednn_dot_general`. Returns a new tree; ValueError where oneDNN cannot
   run."""
@@ -496,10 +504,7 @@ def pack_for_onednn(params, cfg: ModelConfig) -> dict:
       return matmul.onednn_pack(kernel)
     return jnp.stack([matmul.onednn_pack(w) for w in kernel])
 
-  def walk(tree):
-    if not isinstance(tree, collections.abc.Mapping):
-      return tree.__class__(walk(t) for t in tree) if isinstance(tree, (tuple, list)) else tree
-    out = {k: walk(v) for k, v in tree.items()}
+  def pack_dense(out):
     kernel = out.get("kernel")
     if kernel is not None and getattr(kernel, "ndim", 0) in (2, 3):
       packed = pack(kernel)
@@ -508,7 +513,7 @@ def pack_for_onednn(params, cfg: ModelConfig) -> dict:
         out[PACKED_KERNEL] = packed
     return out
 
-  packed = walk(params)
+  packed = _rebuild_mappings(params, pack_dense)
   embed = packed.get("embed_tokens")
   if cfg.tie_embeddings and embed is not None and PACKED_ATTEND not in embed:
     table = embed["embedding"]
