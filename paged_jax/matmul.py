@@ -400,7 +400,7 @@ def onednn_packed_matmul(x, packed, n: int):
 
 def onednn_packed_dot(x, packed, n: int):
   """x [..., k] @ w -> [..., n] in x's dtype (accumulated in f32, cast once), w packed by
-  `onednn_pack`: what a packed projection (`model.PackedDense`) and a packed tied head run."""
+  `onednn_pack`: what a packed projection (`model.Dense`) and a packed tied head run."""
   rows = int(np.prod(x.shape[:-1]))
   out = onednn_packed_matmul(x.reshape(rows, x.shape[-1]), packed, n)
   return out.astype(x.dtype).reshape(*x.shape[:-1], n)
