@@ -23,7 +23,8 @@ users' requests arriving together (N = 1: one user's chat, nothing else running)
 sustained rate is computed. paged_jax_xla (not run by default) is our engine with impl "xla":
 decode attention on XLA instead of the C++ CPU kernel "auto" takes on a CPU; paged_jax_mkl (not
 run by default either) is our engine with its matmuls in Intel MKL (`ModelConfig.matmul`,
-`pip install -e .[mkl]`), reported against vLLM; paged_jax_stoppable (not run by default) is our
+`pip install -e .[mkl]`), reported against vLLM; paged_jax_onednn (not run by default) the same
+in oneDNN on packed weights (`pip install -e .[onednn]`); paged_jax_stoppable (not run by default) is our
 engine with stoppable rounds (`serve --stoppable_rounds`: a round ends early when a request is
 due), reported against paged_jax; paged_jax_fused (not run by default) is our engine with each
 layer's q / k / v and gate / up products fused (`serve --fuse_projections`), reported against
@@ -44,11 +45,12 @@ import numpy as np
 
 from experiments import output, serve_bench
 
-ENGINES = ("paged_jax", "paged_jax_xla", "paged_jax_mkl", "paged_jax_stoppable",
-           "paged_jax_fused", "vllm")
+ENGINES = ("paged_jax", "paged_jax_xla", "paged_jax_mkl", "paged_jax_onednn",
+           "paged_jax_stoppable", "paged_jax_fused", "vllm")
 # (ours, peer): the p50 TPOT ratios reported where both ran.
 PAIRS = (("paged_jax", "vllm"), ("paged_jax", "paged_jax_xla"), ("paged_jax_mkl", "vllm"),
-         ("paged_jax_mkl", "paged_jax"), ("paged_jax_stoppable", "paged_jax"),
+         ("paged_jax_mkl", "paged_jax"), ("paged_jax_onednn", "vllm"),
+         ("paged_jax_onednn", "paged_jax"), ("paged_jax_stoppable", "paged_jax"),
          ("paged_jax_fused", "paged_jax"))
 DEFAULT_ENGINES = ("paged_jax", "vllm")
 
@@ -196,14 +198,19 @@ def run(cfg: LatencyConfig, model_dir: str | None = None, progress=print) -> dic
       result["skipped"]["vllm"] = why
       engines.remove("vllm")
   from experiments import matmul_floor
+  from paged_jax import model as model_lib
   probes = []   # the read rate before each engine's runs (`single_stream_floor`)
   for e in engines:
     if cfg.users:
       probes.append(matmul_floor.read_bandwidth())
-    mkl_model = (params, dataclasses.replace(mcfg, matmul="mkl"), None, ())
+    if e in ("paged_jax_mkl", "paged_jax_onednn"):   # a library's matmuls (oneDNN: packed once)
+      lib_cfg = dataclasses.replace(mcfg, matmul=e.removeprefix("paged_jax_"))
+      lib_params = (model_lib.pack_for_onednn(params, lib_cfg) if lib_cfg.matmul == "onednn"
+                    else params)
     result["engines"][e] = (run_paged_jax(cfg, path, model) if e == "paged_jax" else
                             run_paged_jax(cfg, path, model, "xla") if e == "paged_jax_xla" else
-                            run_paged_jax(cfg, path, mkl_model) if e == "paged_jax_mkl" else
+                            run_paged_jax(cfg, path, (lib_params, lib_cfg, None, ()))
+                            if e in ("paged_jax_mkl", "paged_jax_onednn") else
                             run_paged_jax(cfg, path, model, stoppable_rounds=True)
                             if e == "paged_jax_stoppable" else
                             run_paged_jax(cfg, path, model, fuse_projections=True)

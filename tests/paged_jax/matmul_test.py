@@ -395,6 +395,17 @@ class OnednnPackedTest(parameterized.TestCase):
     self.assertEqual([o.outputs[0].token_ids for o in e.generate(prompts, sp)],
                      [o.outputs[0].token_ids for o in ref.generate(prompts, sp)])
 
+  def saved_model(self) -> str:
+    """A tiny tied-head Llama saved in Hugging Face's format by our own writer (no torch: the
+    jax 0.12 stage of .ci/run has none)."""
+    import shutil, tempfile
+    from paged_jax import checkpoint
+    path = tempfile.mkdtemp()
+    self.addCleanup(shutil.rmtree, path)
+    cfg = config.tiny_config(tie_embeddings=True)
+    checkpoint.save_checkpoint(testing.random_params(cfg, seed=3), cfg, path)
+    return path
+
   def test_the_benches_run_packed_weights(self):
     from experiments import decode_round_bench, profile_step, serve_bench
     with mock.patch.object(model, "pack_for_onednn", wraps=model.pack_for_onednn) as pack:
@@ -405,10 +416,18 @@ class OnednnPackedTest(parameterized.TestCase):
     self.assertEqual(pack.call_count, 1)
     r = profile_step.run(profile_step.ProfileConfig(serve_bench.BenchConfig(
         preset="tiny", vocab_size=64, num_requests=3, min_prompt=4, max_prompt=20, new_tokens=5,
-        page_size=4, steps_per_sync=2), repeats=1, matmul="onednn"))
+        page_size=4, steps_per_sync=2), repeats=1, matmul="onednn"), self.saved_model())
     for kind in ("prefill", "decode"):   # the packed products' custom calls, by module
       for part in ("mlp", "q/k/v/o projections", "lm head"):
         self.assertGreater(r[kind].get(part, 0), 0, (kind, part, r[kind]))
+
+  def test_latency_bench_runs_a_packed_engine_beside_xla_s(self):
+    from experiments import latency_bench
+    r = latency_bench.run(latency_bench.LatencyConfig(
+        preset="tiny", users=(2,), engines=("paged_jax", "paged_jax_onednn"), max_position=64,
+        results_dir=None), self.saved_model(), progress=lambda *_: None)
+    self.assertEqual(r["identical_tokens"], {"2 users": True})
+    self.assertGreater(r["tpot_p50_paged_jax_onednn_over_paged_jax"]["2 users"], 0)
 
   def test_packed_logits_match_xla_s(self):
     cfg = config.tiny_config(tie_embeddings=False, matmul="onednn", attention_bias=True)
