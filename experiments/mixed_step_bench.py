@@ -19,6 +19,9 @@ Variants, each its own engine, timed interleaved trial by trial:
 - no_prefill_attention: an ablation: the prefill chunks' attention answers zeros (decode rows
   keep theirs, on the kernel alone), so the difference is what that attention costs
   inside the step. Its tokens are not checked.
+- onednn (not in the default list): the engine with its matmuls in oneDNN on packed weights
+  (`ModelConfig.matmul="onednn"`, the `onednn` extra; packed at the engine's construction), so
+  a server's first-token step on XLA's dots and on oneDNN's is timed in one process.
 
 Each engine traces its programs with step functions of its own (`own_steps`): jit caches a
 trace by the Python callable and argument shapes, so engines sharing `step.sample_step` would
@@ -41,7 +44,8 @@ from unittest import mock
 import jax
 import numpy as np
 
-VARIANTS = ("engine", "tiled_prefill_attention", "no_prefill_attention")
+VARIANTS = ("engine", "tiled_prefill_attention", "no_prefill_attention")   # the default list
+OPTIONAL_VARIANTS = ("onednn",)   # named in --variants only (it needs the onednn extra)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,9 +65,9 @@ def _variant(name: str):
   """The context under which an engine's programs trace the variant `name` (nothing is
   patched until it is entered)."""
   from paged_jax import attention
-  if name not in VARIANTS:
-    raise ValueError(f"variant {name!r} is not one of {VARIANTS}")
-  if name == "engine":
+  if name not in VARIANTS + OPTIONAL_VARIANTS:
+    raise ValueError(f"variant {name!r} is not one of {VARIANTS + OPTIONAL_VARIANTS}")
+  if name in ("engine", "onednn"):   # onednn differs in its model config (`variant_config`)
     return contextlib.nullcontext()
   if name == "tiled_prefill_attention":
     return mock.patch.object(attention, "PREFILL_ON_CPU_KERNEL", False)
@@ -77,6 +81,12 @@ def _no_prefill_attention():
   with mock.patch.object(attention, "prefill_attention", zeros), \
        mock.patch.object(attention, "PREFILL_ON_CPU_KERNEL", False):   # decode rows alone
     yield
+
+
+def variant_config(name: str, mcfg):
+  """The model config an engine of variant `name` runs: the checkpoint's, or for "onednn" the
+  same with its matmuls in oneDNN."""
+  return dataclasses.replace(mcfg, matmul="onednn") if name == "onednn" else mcfg
 
 
 def own_steps():
@@ -112,7 +122,7 @@ def run(cfg: MixedStepConfig, progress=print) -> dict:
   for d in cfg.decode_rows:
     # Enough tokens for every timed step, once per variant, plus one warm-up pass.
     steps = (cfg.trials + 1) * len(cfg.prompt_tokens) + 2
-    engines = {r: Engine(params, mcfg, cache=CacheConfig(page_size=cfg.page_size),
+    engines = {r: Engine(params, variant_config(r, mcfg), cache=CacheConfig(page_size=cfg.page_size),
                          scheduler=SchedulerConfig(steps_per_sync=1, max_num_batched_tokens=budget,
                                                    max_num_seqs=d + 1),
                          scan_layers=cfg.scan_layers, steps=own_steps()) for r in cfg.variants}
@@ -172,7 +182,8 @@ if __name__ == "__main__":
   flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Weights and KV pool dtype.")
   flags.DEFINE_list("prompt_tokens", ["16", "32", "64", "128"], "The new prompt's tokens.")
   flags.DEFINE_list("decode_rows", ["1", "8"], "Decode rows running beside it.")
-  flags.DEFINE_list("variants", list(VARIANTS), f"Engines to time, from {VARIANTS}.")
+  flags.DEFINE_list("variants", list(VARIANTS),
+                    f"Engines to time, from {VARIANTS + OPTIONAL_VARIANTS}.")
   flags.DEFINE_integer("trials", 11, "Timed steps per (rows, prompt, variant); the median.")
   flags.DEFINE_bool("scan_layers", False, "The layers as a lax.scan.")
   flags.DEFINE_integer("page_size", 32, "Tokens per page.")

@@ -556,6 +556,26 @@ class ExperimentsTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "variant 'pallas' is not one of"):
       mixed_step_bench.run(dataclasses.replace(cfg, variants=("pallas",)))
 
+  def test_mixed_step_bench_onednn_variant_runs_packed_weights(self):
+    # The optional "onednn" variant is the engine with matmul="onednn": its weights packed once
+    # (its own engine only), its prompt's greedy token timed beside the XLA engine's.
+    from unittest import mock
+    from paged_jax import matmul, model, testing
+    reason = matmul.unavailable_reason("onednn")
+    if reason and not testing.REQUIRE_ONEDNN:
+      self.skipTest(reason)
+    self.assertNotIn("onednn", mixed_step_bench.VARIANTS)   # not in the default list
+    packed = []
+    real = model.pack_for_onednn
+    with mock.patch.object(model, "pack_for_onednn",
+                           lambda p, c: (packed.append(c.matmul), real(p, c))[1]):
+      r = mixed_step_bench.run(mixed_step_bench.MixedStepConfig(
+          prompt_tokens=(16,), decode_rows=(1,), trials=1, variants=("engine", "onednn")),
+          progress=lambda _: None)
+    self.assertEqual(packed, ["onednn"])
+    self.assertEqual([x["variant"] for x in r["rows"]], ["engine", "onednn"])
+    self.assertTrue(all(x["ms"] > 0 for x in r["rows"]))
+
   def test_decode_round_bench(self):
     r = decode_round_bench.run(decode_round_bench.RoundConfig(
         prompt_tokens=20, steps_per_sync=2, rows=(1, 2), items_per_chunk=(0, 4), rounds=1))

@@ -110,17 +110,21 @@ class AppTest(absltest.TestCase):
                     client.get("/metrics").text)
     self.assertEqual(engine.asked, [False, True])
 
-  def test_the_server_runs_stoppable_rounds_by_default(self):
-    # `python -m paged_jax.server` sets its own default; the serve command keeps scan rounds
-    # (absl's --helpfull prints every flag with its default, then exits 1).
-    def default(module):
+  def test_the_server_runs_stoppable_rounds_with_no_link_ahead_by_default(self):
+    # `python -m paged_jax.server` sets its own defaults; the serve command keeps scan rounds
+    # and one link ahead (absl's --helpfull prints every flag with its default, then exits 1).
+    def defaults(module):
       out = subprocess.run([sys.executable, "-m", module, "--helpfull"], capture_output=True,
-                           text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-      (line,) = [ln for ln in out.stdout.splitlines() if "--[no]stoppable_rounds" in ln]
-      i = out.stdout.index(line)
-      return re.search(r"\(default: '(\w+)'\)", out.stdout[i:]).group(1)
-    self.assertEqual(default("paged_jax.server"), "true")
-    self.assertEqual(default("paged_jax.serve"), "false")
+                           text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}).stdout
+      found = {}
+      for flag in ("--[no]stoppable_rounds:", "--links_ahead:"):
+        (line,) = [ln for ln in out.splitlines() if ln.strip().startswith(flag)]
+        found[flag] = re.search(r"\(default: '(\w+)'\)", out[out.index(line):]).group(1)
+      return found
+    self.assertEqual(defaults("paged_jax.server"),
+                     {"--[no]stoppable_rounds:": "true", "--links_ahead:": "0"})
+    self.assertEqual(defaults("paged_jax.serve"),
+                     {"--[no]stoppable_rounds:": "false", "--links_ahead:": "1"})
 
   def test_text_prompt_without_a_tokenizer_and_chat_without_a_template(self):
     client, _ = _client(FakeEngine())
