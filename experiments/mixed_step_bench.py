@@ -122,7 +122,8 @@ def run(cfg: MixedStepConfig, progress=print) -> dict:
   for d in cfg.decode_rows:
     # Enough tokens for every timed step, once per variant, plus one warm-up pass.
     steps = (cfg.trials + 1) * len(cfg.prompt_tokens) + 2
-    engines = {r: Engine(params, variant_config(r, mcfg), cache=CacheConfig(page_size=cfg.page_size),
+    engines = {r: Engine(params, variant_config(r, mcfg),
+                         cache=CacheConfig(page_size=cfg.page_size),
                          scheduler=SchedulerConfig(steps_per_sync=1, max_num_batched_tokens=budget,
                                                    max_num_seqs=d + 1),
                          scan_layers=cfg.scan_layers, steps=own_steps()) for r in cfg.variants}

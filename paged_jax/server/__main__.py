@@ -1,10 +1,10 @@
 """python -m paged_jax.server --model=... --port=8000: serve the OpenAI API (see the package).
 
 Flags: `paged_jax.serve`'s engine flags (model, dtype, pool size / memory budget, scheduler
-knobs, mesh, warmup, program store; --stoppable_rounds on and --links_ahead=0 by default here) plus --host,
---port, --served_model_name, --max_waiting and --shutdown_timeout. SIGTERM (or Ctrl-C) stops
-accepting connections, lets open requests finish for up to --shutdown_timeout seconds, aborts
-the rest, and exits.
+knobs, mesh, warmup, program store; --stoppable_rounds on and --links_ahead=0 by default
+here) plus --host, --port, --served_model_name, --max_waiting and --shutdown_timeout.
+SIGTERM (or Ctrl-C) stops accepting connections, lets open requests finish for up to
+--shutdown_timeout seconds, aborts the rest, and exits.
 """
 
 from __future__ import annotations
