@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import os
 import re
-import selectors
 import signal
 import subprocess
 import sys
 import threading
-import time
 
 _READY = re.compile(r"paged_jax\.server: serving (\S+) on (http://\S+)")
 
@@ -46,32 +44,30 @@ class ServerProcess:
     cmd = [self.python, "-m", "paged_jax.server", "--host=127.0.0.1", "--port=0", *self.args]
     self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                  text=True, env=self.env)
-    deadline = time.monotonic() + self.start_timeout
-    with selectors.DefaultSelector() as sel:
-      sel.register(self.proc.stdout, selectors.EVENT_READ)
-      while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-          self._fail(cmd, "did not start in time")
-        if not sel.select(min(left, 1.0)):
-          continue
-        line = self.proc.stdout.readline()
-        if not line:   # the end of its output: it exited
-          self._fail(cmd, "exited")
-        self._lines.append(line)
-        m = _READY.search(line)
-        if m:
-          break
-    self.model, self.url = m.group(1), m.group(2)
-    self.base = self.url[:-len("/v1")]
-    # Keep reading what it prints, or a full pipe would block it.
+    # One thread reads every line from the start (a full pipe would block the server) and
+    # says when the ready line came or the output ended. (Waiting on the pipe with select and
+    # then reading lines from its buffered reader hung when the ready line arrived in one read
+    # with the line before it: the line sat in the reader's buffer, the pipe stayed empty.)
+    self._ready = None   # the ready line's match, once printed
+    self._seen = threading.Event()   # set at the ready line or at the end of the output
     self._reader = threading.Thread(target=self._drain, daemon=True)
     self._reader.start()
+    if not self._seen.wait(self.start_timeout):
+      self._fail(cmd, "did not start in time")
+    if self._ready is None:   # the end of its output: it exited
+      self._fail(cmd, "exited")
+    self.model, self.url = self._ready.group(1), self._ready.group(2)
+    self.base = self.url[:-len("/v1")]
     return self
 
   def _drain(self) -> None:
     for line in self.proc.stdout:
       self._lines.append(line)
+      if self._ready is None:
+        self._ready = _READY.search(line)
+        if self._ready is not None:
+          self._seen.set()
+    self._seen.set()
 
   def _fail(self, cmd, why: str):
     self.stop()
