@@ -55,7 +55,7 @@ def define_flags():
   server's requests arrive while rounds run; over HTTP they cut the queue and p90 TTFT at no
   measured TPOT cost: results page, "Stoppable rounds"); --nostoppable_rounds for k-step scans;
   and no link queued ahead of the running one (--links_ahead=0: a new request waits for the
-  running step only; over HTTP on SmolLM2 it cut p90 TTFT in all of seven interleaved pairs and
+  running step only; over HTTP on SmolLM2 it cut p90 TTFT in each of seven A/B pairs and
   left TPOT within the pairs' spread: results page, issue 30)."""
   serve.define_engine_flags()
   flags.FLAGS.set_default("stoppable_rounds", True)
