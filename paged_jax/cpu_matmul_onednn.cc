@@ -17,7 +17,9 @@
 // brgemm takes neither a strided w nor a strided out (a strided block runs its older jit
 // gemm), so a packed product is split either by rows (many rows: each thread a dense run of
 // rows of x and out, all of w) or by columns (few rows: each thread whole column blocks of the
-// packed w, which are contiguous in it, into a dense scratch copied into out).
+// packed w, which are contiguous in it, into a dense scratch copied into out). The packed w may be
+// a stack of one weight per layer with an i32 layer index beside it (a scanned model's layers:
+// read in place, where XLA would copy a slice of the stack before the call).
 
 #include <omp.h>
 
@@ -244,13 +246,24 @@ std::shared_ptr<const Product> PackedPrimitive(bool bf16, int64_t m, int64_t k, 
   return product;
 }
 
-ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, int64_t n,
-                        int64_t min_columns_per_thread, int64_t min_rows_per_thread,
-                        ffi::Result<ffi::Buffer<ffi::F32>> out) {
-  auto xd = x.dimensions(), od = out->dimensions();
-  if (xd.size() != 2 || od.size() != 2 || w.dimensions().size() != 1)
+// w is one packed weight (1-d) or a stack of them, one per layer ([layers, elements]), of which
+// the product reads layer `layer` (a scanned model's layer index: the stack is read in place,
+// where a slice of it would be copied before the call).
+ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                        ffi::Buffer<ffi::S32> layer, int64_t n, int64_t min_columns_per_thread,
+                        int64_t min_rows_per_thread, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+  auto xd = x.dimensions(), od = out->dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || od.size() != 2 || (wd.size() != 1 && wd.size() != 2) ||
+      layer.element_count() != 1)
     return ffi::Error::InvalidArgument(
-        "paged_jax oneDNN packed matmul: x and out must be 2-d, the packed w 1-d");
+        "paged_jax oneDNN packed matmul: x and out must be 2-d, the packed w 1-d or [layers, "
+        "elements], layer a scalar");
+  const int64_t layers = wd.size() == 2 ? wd[0] : 1;
+  const int64_t index = layer.typed_data()[0];
+  if (index < 0 || index >= layers)
+    return ffi::Error::InvalidArgument("paged_jax oneDNN packed matmul: layer " +
+                                       std::to_string(index) + " is not in [0, " +
+                                       std::to_string(layers) + ")");
   const int64_t m = xd[0], k = xd[1];
   if (od[0] != m || od[1] != n)
     return ffi::Error::InvalidArgument("paged_jax oneDNN packed matmul: out is not [m, n]");
@@ -266,15 +279,16 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w
   } catch (const dnnl::error& e) {
     return ffi::Error::Internal(std::string("paged_jax oneDNN packed matmul: ") + e.what());
   }
-  if (layout.block == 0 || static_cast<int64_t>(w.size_bytes()) != layout.bytes)
+  const int64_t layer_bytes = static_cast<int64_t>(w.size_bytes()) / layers;
+  if (layout.block == 0 || layer_bytes != layout.bytes)
     return ffi::Error::InvalidArgument(
         "paged_jax oneDNN packed matmul: w is not oneDNN's packed [" + std::to_string(k) + ", " +
-        std::to_string(n) + "] (" + std::to_string(w.size_bytes()) + " bytes, want " +
+        std::to_string(n) + "] (" + std::to_string(layer_bytes) + " bytes a layer, want " +
         std::to_string(layout.bytes) + ")");
   float* o = out->typed_data();
   if (m == 0 || n == 0) return ffi::Error::Success();
   const char* xp = static_cast<const char*>(x.untyped_data());
-  const char* wp = static_cast<const char*>(w.untyped_data());
+  const char* wp = static_cast<const char*>(w.untyped_data()) + index * layer_bytes;
   const int64_t pool_threads = std::max<int64_t>(1, pool.num_threads());
 
   if (min_rows_per_thread > 0 && m >= 2 * min_rows_per_thread && pool_threads > 1) {
@@ -401,6 +415,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedJaxOnednnPackedMatmul, PackedMatmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("n")
                                   .Attr<int64_t>("min_columns_per_thread")
                                   .Attr<int64_t>("min_rows_per_thread")

@@ -33,7 +33,9 @@ where MKL runs its generic code). Two routes, both in `cpu_matmul_onednn.cc`:
   oneDNN's brgemm kernel asks for (`onednn_pack`, once, on the host); `model.Dense` multiplies
   them through `onednn_packed_dot` at every row count, split between XLA's pool threads by rows
   (2 x MIN_ROWS_PER_THREAD rows and more) or by column blocks. Faster than XLA's dot from 4 rows
-  in f32 and from one row in bf16, level with it at one row in f32 (results page).
+  in f32 and from one row in bf16, level with it at one row in f32 (results page). A scanned
+  model's packed kernels stay stacked ([reps, bytes]) and each product is given the layer
+  index, so the scan's body reads the stack in place instead of copying a slice per call.
 - **Plain weights** (`onednn_dot_general`: weights the packing left, and models applied without
   an engine): one matmul primitive per shape and column block on strided views of the weights,
   for products of ONEDNN_MIN_ROWS rows or more by a [k, n] kernel, where it was measured
@@ -376,33 +378,48 @@ def onednn_packed_impl(dtype, m: int, k: int, cols: int) -> str:
   return buf.value.decode()
 
 
-def onednn_packed_matmul(x, packed, n: int):
+def onednn_packed_matmul(x, packed, n: int, layer=None):
   """f32[m, n] = x @ w, w given as `onednn_pack(w)` (`packed`, 1-d, x's dtype), at any row count.
+
+  Or `packed` is a stack of packed weights, one per layer ([layers, elements], as
+  `model.pack_for_onednn` stacks a scanned model's kernels) and `layer` (an int or a traced i32
+  scalar: a `lax.scan`'s layer index) picks the one to multiply by, read in place: a scan body
+  that sliced the stack would have XLA copy the slice before every call (SmolLM2's f32 weights,
+  ~425 MB a step).
 
   Split between XLA's pool threads by rows from 2 x MIN_ROWS_PER_THREAD rows, else by column
   blocks. Raises a ValueError naming the reason where oneDNN cannot run or `packed` is not a
-  packed [k, n] of x's dtype."""
+  packed [k, n] of x's dtype; a layer outside the stack is refused when the product runs."""
   reason = unavailable_reason("onednn")
   if reason is not None:
     raise ValueError(f"the oneDNN matmul cannot run here: {reason}")
-  if x.ndim != 2 or packed.ndim != 1 or packed.dtype != x.dtype:
-    raise ValueError(f"onednn_packed_matmul takes x [m, k] and a packed 1-d weight of its dtype; "
-                     f"got {x.dtype}{list(x.shape)} and {packed.dtype}{list(packed.shape)}")
+  if x.ndim != 2 or packed.ndim not in (1, 2) or packed.dtype != x.dtype:
+    raise ValueError(f"onednn_packed_matmul takes x [m, k] and a packed 1-d weight (or a "
+                     f"[layers, elements] stack) of its dtype; got {x.dtype}{list(x.shape)} and "
+                     f"{packed.dtype}{list(packed.shape)}")
+  if (packed.ndim == 2) != (layer is not None):
+    raise ValueError(f"onednn_packed_matmul: a stack of packed weights takes a layer and a single "
+                     f"one does not; got packed {list(packed.shape)} and layer={layer!r}")
+  if isinstance(layer, (int, np.integer)) and not 0 <= layer < packed.shape[0]:
+    raise ValueError(f"onednn_packed_matmul: layer={layer} is not in [0, {packed.shape[0]})")
   want = onednn_packed_bytes(x.dtype, x.shape[1], n)
-  if want is None or packed.size * packed.dtype.itemsize != want:
-    raise ValueError(f"packed has {packed.size * packed.dtype.itemsize} bytes; oneDNN's packed "
-                     f"{x.dtype} [{x.shape[1]}, {n}] has {want}")
+  got = packed.shape[-1] * packed.dtype.itemsize
+  if want is None or got != want:
+    raise ValueError(f"packed has {got} bytes a layer; oneDNN's packed {x.dtype} "
+                     f"[{x.shape[1]}, {n}] has {want}")
+  index = jnp.asarray(0 if layer is None else layer, jnp.int32)
   return jax.ffi.ffi_call(ONEDNN_PACKED_TARGET,
                           jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(
-      x, packed, n=np.int64(n), min_columns_per_thread=np.int64(MIN_COLUMNS_PER_THREAD),
+      x, packed, index, n=np.int64(n), min_columns_per_thread=np.int64(MIN_COLUMNS_PER_THREAD),
       min_rows_per_thread=np.int64(MIN_ROWS_PER_THREAD))
 
 
-def onednn_packed_dot(x, packed, n: int):
+def onednn_packed_dot(x, packed, n: int, layer=None):
   """x [..., k] @ w -> [..., n] in x's dtype (accumulated in f32, cast once), w packed by
-  `onednn_pack`: what a packed projection (`model.Dense`) and a packed tied head run."""
+  `onednn_pack` (or layer `layer` of a stack of them, as `onednn_packed_matmul`): what a packed
+  projection (`model.Dense`) and a packed tied head run."""
   rows = int(np.prod(x.shape[:-1]))
-  out = onednn_packed_matmul(x.reshape(rows, x.shape[-1]), packed, n)
+  out = onednn_packed_matmul(x.reshape(rows, x.shape[-1]), packed, n, layer)
   return out.astype(x.dtype).reshape(*x.shape[:-1], n)
 
 

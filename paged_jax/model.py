@@ -172,19 +172,26 @@ def _dense(features: int, name: str | None = None, dtype=None, bias: bool = Fals
 # still reads).
 PACKED_KERNEL = "packed_kernel"
 PACKED_ATTEND = "packed_attend"
+# Beside a stacked `packed_kernel` [reps, bytes] inside a scan body: the repetition (i32 scalar)
+# whose kernel `Dense` multiplies by, read in place (`scanned_forward`).
+PACKED_LAYER = "packed_layer"
 
 
 class Dense(nn.Dense):
   """nn.Dense (same parameters, same product), or, where its params hold `packed_kernel`
   (`pack_for_onednn`: 1-d, oneDNN's layout of the [in, features] kernel) instead of `kernel`,
-  the product through `matmul.onednn_packed_dot` at any row count, plus the same bias."""
+  the product through `matmul.onednn_packed_dot` at any row count, plus the same bias. In a
+  scan body the packed kernel may be the whole stack [reps, bytes] with `packed_layer` (the
+  repetition) beside it (`scanned_forward`)."""
 
   @nn.compact
   def __call__(self, inputs):
     if not self.has_variable("params", PACKED_KERNEL):
       return super().__call__(inputs)
     packed = self.get_variable("params", PACKED_KERNEL)   # not self.param: no [in, out] shape
-    y = matmul.onednn_packed_dot(inputs.astype(self.dtype), packed, self.features)
+    layer = (self.get_variable("params", PACKED_LAYER)
+             if self.has_variable("params", PACKED_LAYER) else None)
+    y = matmul.onednn_packed_dot(inputs.astype(self.dtype), packed, self.features, layer)
     if self.use_bias:
       y = y + self.get_variable("params", "bias").astype(self.dtype)
     return y
@@ -562,6 +569,38 @@ def stack_layers(params, cfg: ModelConfig) -> dict:
   return out
 
 
+def _hold_packed(tree):
+  """A scan group's stacked params -> (the tree without its stacked packed kernels, which the
+  scan slices per repetition; those kernels alone, in the same nesting). XLA:CPU copies a
+  slice of a stacked operand before a custom call reads it (SmolLM2's f32 first-token step:
+  ~37 of 135 traced ms were those copies), so `Dense` reads the held stack in place instead."""
+  if not isinstance(tree, collections.abc.Mapping):
+    return tree, {}
+  kept, held = {}, {}
+  for k, v in tree.items():
+    if k == PACKED_KERNEL and getattr(v, "ndim", 0) == 2:
+      held[k] = v
+      continue
+    kept[k], h = _hold_packed(v)
+    if h:
+      held[k] = h
+  return kept, held
+
+
+def _with_held(tree, held, layer):
+  """`_hold_packed`'s inverse inside a scan body: each held stack back in its place, with
+  `packed_layer` = layer beside it."""
+  if not held:
+    return tree
+  out = dict(tree)
+  for k, v in held.items():
+    if k == PACKED_KERNEL:
+      out[PACKED_KERNEL], out[PACKED_LAYER] = v, layer
+    else:
+      out[k] = _with_held(tree[k], v, layer)
+  return out
+
+
 def scanned_forward(params, cfg: ModelConfig, tokens, positions, kv, logits_indices=None):
   """`Decoder(cfg).apply` on `stack_layers` params, each group of layers one `lax.scan`: a
   compiled step holds one body per group (one for a Llama, whatever its depth). Same arguments
@@ -581,14 +620,17 @@ def scanned_forward(params, cfg: ModelConfig, tokens, positions, kv, logits_indi
           x, kv = _layer(cfg, i, bound(phases[j]), x, kv, ropes[rope_key(cfg, i)], select)
         continue
 
-      def body(carry, xs, start=start, period=period):
+      sliced, held = zip(*map(_hold_packed, phases))
+
+      def body(carry, xs, start=start, period=period, held=held):
         x, kv = carry
         r, trees = xs
+        trees = [_with_held(tree, h, r) for tree, h in zip(trees, held)]
         for j in range(period):
           x, kv = _layer(cfg, start + j, bound(trees[j]), x, kv,
                          ropes[rope_key(cfg, start + j)], kv_layer=start + r * period + j)
         return (x, kv), None
-      (x, kv), _ = jax.lax.scan(body, (x, kv), (jnp.arange(reps, dtype=jnp.int32), phases))
+      (x, kv), _ = jax.lax.scan(body, (x, kv), (jnp.arange(reps, dtype=jnp.int32), sliced))
     return x, kv
 
   return _decode(cfg, bound(params), tokens, positions, kv, logits_indices, run_layers)

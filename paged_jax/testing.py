@@ -358,18 +358,24 @@ def dense_logprobs(params, cfg, tokens) -> np.ndarray:
   return np.asarray(jax.nn.log_softmax(logits[0]))
 
 
-def dense_logits(params, cfg, tokens) -> np.ndarray:
+def dense_forward(params, cfg, tokens) -> jax.Array:
   """f32[len(tokens), vocab_size] logits of every position from one dense forward over the
-  sequence (eager: no compile per length), the form transformers' `model(ids).logits` has."""
+  sequence, on either parameter layout (`model.apply`: per-layer or stacked); traceable."""
   from paged_jax import model
   n = len(tokens)
   shape = (cfg.num_layers, 1, n, cfg.num_kv_heads, cfg.head_dim)
   kv = model.DenseKV(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype),
                      jnp.zeros(n, jnp.int32), jnp.arange(n, dtype=jnp.int32),
                      jnp.array([n], jnp.int32), jnp.array([0, n], jnp.int32), max_q_len=n)
-  logits, _ = model.Decoder(cfg).apply({"params": params}, jnp.asarray(tokens, jnp.int32),
-                                       jnp.arange(n, dtype=jnp.int32), kv)
-  return np.asarray(logits)
+  logits, _ = model.apply(params, cfg, jnp.asarray(tokens, jnp.int32),
+                          jnp.arange(n, dtype=jnp.int32), kv)
+  return logits
+
+
+def dense_logits(params, cfg, tokens) -> np.ndarray:
+  """`dense_forward` run eagerly (no compile per length), as a NumPy array: the form
+  transformers' `model(ids).logits` has."""
+  return np.asarray(dense_forward(params, cfg, tokens))
 
 
 # `.ci/run` sets PAGED_JAX_REQUIRE_TORCH=1: there a missing torch fails the cross-checks against

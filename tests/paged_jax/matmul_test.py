@@ -363,6 +363,38 @@ class OnednnPackedTest(parameterized.TestCase):
     chex.assert_trees_all_equal(results["one"], results["columns"])
     chex.assert_trees_all_equal(results["one"], results["rows"])
 
+  @parameterized.parameters(jnp.float32, jnp.bfloat16)
+  def test_a_stack_of_packed_weights_multiplies_by_the_layer_it_is_given(self, dtype):
+    ws = [_operands(5, 40, 80, dtype, seed=s)[1] for s in range(3)]
+    x = _operands(5, 40, 80, dtype, seed=9)[0]
+    stack = jnp.stack([matmul.onednn_pack(w) for w in ws])
+    for i, w in enumerate(ws):   # a Python int and a traced scalar, as a scan passes it
+      want = matmul.onednn_packed_matmul(x, matmul.onednn_pack(w), 80)
+      chex.assert_trees_all_equal(matmul.onednn_packed_matmul(x, stack, 80, layer=i), want)
+      traced = jax.jit(lambda x, s, i: matmul.onednn_packed_matmul(x, s, 80, layer=i))
+      chex.assert_trees_all_equal(traced(x, stack, jnp.int32(i)), want)
+
+  def test_a_scanned_model_reads_its_packed_stacks_in_place(self):
+    """Every packed product inside the scan's body takes the whole stack and the layer index: a
+    sliced operand would be a copy of the layer's weights before each call (the old body)."""
+    cfg = config.tiny_config(num_layers=3, matmul="onednn")
+    params = model.pack_for_onednn(model.stack_layers(testing.random_params(cfg, seed=4), cfg),
+                                   cfg)
+    tokens = np.arange(1, 9, dtype=np.int32)
+    hlo = jax.jit(lambda p: testing.dense_forward(p, cfg, tokens)).lower(params).compile().as_text()
+    calls = [line for line in hlo.splitlines()
+             if f'custom_call_target="{matmul.ONEDNN_PACKED_TARGET}"' in line]
+    in_body = [c for c in calls if "/while/body/" in c]
+    self.assertLen(in_body, 7, "\n".join(calls))   # a layer's 7 projections, once
+    for call in in_body:   # x, then the weight: the [reps, elements] stack itself
+      self.assertRegex(call, r"operand_layout_constraints=\{f32\[[\d,]+\]\{1,0\}, "
+                             r"f32\[\d+,\d+\]\{1,0\}, s32\[\]\}")
+    unrolled = testing.random_params(cfg, seed=4)
+    np.testing.assert_allclose(
+        testing.dense_logits(params, cfg, tokens),
+        testing.dense_logits(model.pack_for_onednn(unrolled, cfg), cfg, tokens),
+        rtol=1e-6, atol=1e-6)
+
   def test_oneDNN_runs_its_own_kernel_not_its_reference_code(self):
     for dtype, rows in itertools.product((jnp.float32, jnp.bfloat16), (1, 16, 4560)):
       self.assertNotIn("ref", matmul.onednn_packed_impl(dtype, rows, 576, 1536), (dtype, rows))
@@ -370,8 +402,20 @@ class OnednnPackedTest(parameterized.TestCase):
   def test_bad_input_is_refused_by_name(self):
     x, w = _operands(4, 40, 64, jnp.float32)
     p = matmul.onednn_pack(w)
-    with self.assertRaisesRegex(ValueError, r"packed has \d+ bytes; .* \[40, 65\]"):
+    with self.assertRaisesRegex(ValueError, r"packed has \d+ bytes a layer; .* \[40, 65\]"):
       matmul.onednn_packed_matmul(x, p, 65)
+    stack = jnp.stack([p, p])
+    with self.assertRaisesRegex(ValueError, "takes a layer"):
+      matmul.onednn_packed_matmul(x, stack, 64)
+    with self.assertRaisesRegex(ValueError, "takes a layer and a single one does not"):
+      matmul.onednn_packed_matmul(x, p, 64, layer=0)
+    with self.assertRaisesRegex(ValueError, r"layer=2 is not in \[0, 2\)"):
+      matmul.onednn_packed_matmul(x, stack, 64, layer=2)
+    # A traced layer outside the stack is refused when the product runs, by the C++ handler.
+    run = jax.jit(lambda i: matmul.onednn_packed_matmul(x, stack, 64, layer=i))
+    with self.assertRaisesRegex(Exception, r"layer -1 is not in \[0, 2\)"):
+      jax.block_until_ready(run(-1))
+    chex.assert_trees_all_equal(run(1), matmul.onednn_packed_matmul(x, p, 64))   # still usable
     with self.assertRaisesRegex(ValueError, "of its dtype"):
       matmul.onednn_packed_matmul(x.astype(jnp.bfloat16), p, 64)
     with self.assertRaisesRegex(ValueError, "int32"):
