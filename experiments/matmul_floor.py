@@ -17,7 +17,11 @@ For each shape a step multiplies (prefill's MLP and projections over --tokens ro
                 plain weights, f32 result, every row count), with the `onednn` extra
                 (--noonednn: not timed);
   onednn_packed_f32 / onednn_packed_bf16   `paged_jax.matmul.onednn_packed_matmul` on weights
-                packed by `onednn_pack` beforehand (what an engine with matmul="onednn" runs);
+                packed by `onednn_pack` beforehand (oneDNN's call on them at every row count);
+  packed_dot_f32  `paged_jax.matmul.onednn_packed_dot` on the same packed f32 weights: what a
+                `model.Dense` of an engine with matmul="onednn" runs (one row of at most
+                PACKED_ROW_ON_XLA_MAX_COLUMNS columns on XLA's batched dot over the packed column
+                blocks, oneDNN's call otherwise);
   numpy_f32     np.matmul (numpy's bundled OpenBLAS, on its own threads: all cores);
   torch_f32 / torch_bf16   torch.matmul at the same threads, when torch is installed (oneDNN).
 
@@ -146,11 +150,13 @@ def run(cfg: FloorConfig) -> dict:
   if cfg.mkl and matmul.mkl_unavailable_reason() is None:
     mkl = each(matmul.mkl_matmul)
     xla.update({"mkl_f32": (mkl, jnp.float32), "mkl_bf16": (mkl, jnp.bfloat16)})
-  packed = {}   # route: dtype, of the routes whose weights are packed first (their fn takes n)
+  packed = {}   # route: (product, dtype), of the routes whose weights are packed first
   if cfg.onednn and matmul.unavailable_reason("onednn") is None:
     onednn = each(matmul.onednn_matmul)
     xla.update({"onednn_f32": (onednn, jnp.float32), "onednn_bf16": (onednn, jnp.bfloat16)})
-    packed = {"onednn_packed_f32": jnp.float32, "onednn_packed_bf16": jnp.bfloat16}
+    packed = {"onednn_packed_f32": (matmul.onednn_packed_matmul, jnp.float32),
+              "onednn_packed_bf16": (matmul.onednn_packed_matmul, jnp.bfloat16),
+              "packed_dot_f32": (matmul.onednn_packed_dot, jnp.float32)}
   peers = {**_numpy_routes(), **_torch_routes(cfg.threads)}
   rows = []
   rng = np.random.default_rng(0)
@@ -163,8 +169,8 @@ def run(cfg: FloorConfig) -> dict:
       args = (jnp.asarray(x, dt), [jnp.asarray(w, dt) for w in ws])
       row[route] = _time(fn, args, cfg.rounds) / c
       del args
-    for route, dt in packed.items():
-      fn = jax.jit(lambda x, ps, n=n: [matmul.onednn_packed_matmul(x, p, n) for p in ps])
+    for route, (product, dt) in packed.items():
+      fn = jax.jit(lambda x, ps, n=n, product=product: [product(x, p, n) for p in ps])
       args = (jnp.asarray(x, dt), [matmul.onednn_pack(jnp.asarray(w, dt)) for w in ws])
       row[route] = _time(fn, args, cfg.rounds) / c
       del args

@@ -328,10 +328,9 @@ def _packable_dtype(dtype) -> bool:
   return jnp.dtype(dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
-def onednn_packed_bytes(dtype, k: int, n: int) -> int | None:
-  """Bytes of a [k, n] weight in the layout oneDNN's matmul asks for, or None where that layout
-  is not one `onednn_packed_matmul` takes (not blocked by columns) or the dtype is not f32 /
-  bf16. A ValueError where oneDNN cannot run."""
+@functools.cache
+def _packed_layout(dtype, k: int, n: int) -> tuple[int, int] | None:
+  """(bytes, columns per block) of a [k, n] weight in oneDNN's layout, as `onednn_packed_bytes`."""
   if not _packable_dtype(dtype):
     return None
   block = ctypes.c_int64(0)
@@ -340,7 +339,28 @@ def onednn_packed_bytes(dtype, k: int, n: int) -> int | None:
   if got == -2:
     raise ValueError(f"oneDNN failed to choose a layout for a {jnp.dtype(dtype).name} [{k}, {n}] "
                      "weight")
-  return None if got < 0 else int(got)
+  return None if got < 0 else (int(got), int(block.value))
+
+
+def onednn_packed_bytes(dtype, k: int, n: int) -> int | None:
+  """Bytes of a [k, n] weight in the layout oneDNN's matmul asks for, or None where that layout
+  is not one `onednn_packed_matmul` takes (not blocked by columns) or the dtype is not f32 /
+  bf16. A ValueError where oneDNN cannot run."""
+  layout = _packed_layout(jnp.dtype(dtype), k, n)
+  return None if layout is None else layout[0]
+
+
+def packed_column_blocks(dtype, k: int, n: int) -> tuple[int, int, int] | None:
+  """f32 weights only: (blocks, padded k, columns per block) such that the packed [k, n] is
+  [blocks, padded k, columns] row-major (oneDNN's `BA16a<cols>b`: each block of columns holds
+  all of k, padded to 16, rows of `cols` contiguous), or None (bf16 pairs rows: `...b2a`)."""
+  layout = _packed_layout(jnp.dtype(dtype), k, n)
+  if jnp.dtype(dtype) != jnp.float32 or layout is None:
+    return None
+  nbytes, cols = layout
+  blocks = -(-n // cols)
+  kp = nbytes // (4 * blocks * cols)
+  return (blocks, kp, cols) if kp * blocks * cols * 4 == nbytes and kp >= k else None
 
 
 def onednn_pack(w, transpose: bool = False) -> jax.Array:
@@ -414,12 +434,43 @@ def onednn_packed_matmul(x, packed, n: int, layer=None):
       min_rows_per_thread=np.int64(MIN_ROWS_PER_THREAD))
 
 
+# One row of f32 times a packed weight (not a stack) runs as XLA's batched dot over the packed
+# column blocks: SmolLM2's one-row layer products read at 26-33 GB/s that way against 20-24
+# through oneDNN's call (scratch, weights from memory; results page, "one row on XLA's batched
+# dot"). Its tied head (n = 49,152) read slower that way (21 against 24 GB/s) and stays on
+# oneDNN, as do stacks (a scan's layer: XLA would copy the slice) and bf16 (XLA's bf16 dots are
+# slow on a CPU).
+PACKED_ROW_ON_XLA = True
+PACKED_ROW_ON_XLA_MAX_COLUMNS = 16384
+
+
+def packed_row_on_xla(x, packed, n: int):
+  """f32[1, n] = x @ w for x f32[1, k] and w = `onednn_pack(w)` (f32), through XLA's batched
+  dot over the packed column blocks ([blocks, padded k, cols]); k is zero-padded to the
+  layout's."""
+  blocks, kp, cols = packed_column_blocks(x.dtype, x.shape[1], n)
+  if kp != x.shape[1]:
+    x = jnp.pad(x, ((0, 0), (0, kp - x.shape[1])))
+  out = jax.lax.dot_general(jnp.broadcast_to(x, (blocks, 1, kp)),
+                            packed.reshape(blocks, kp, cols), (((2,), (1,)), ((0,), (0,))),
+                            preferred_element_type=jnp.float32)
+  return out.reshape(1, blocks * cols)[:, :n]
+
+
 def onednn_packed_dot(x, packed, n: int, layer=None):
   """x [..., k] @ w -> [..., n] in x's dtype (accumulated in f32, cast once), w packed by
   `onednn_pack` (or layer `layer` of a stack of them, as `onednn_packed_matmul`): what a packed
-  projection (`model.Dense`) and a packed tied head run."""
+  projection (`model.Dense`) and a packed tied head run. One f32 row by a single packed weight
+  of at most PACKED_ROW_ON_XLA_MAX_COLUMNS columns runs `packed_row_on_xla` (PACKED_ROW_ON_XLA)."""
   rows = int(np.prod(x.shape[:-1]))
-  out = onednn_packed_matmul(x.reshape(rows, x.shape[-1]), packed, n, layer)
+  x2 = x.reshape(rows, x.shape[-1])
+  if (PACKED_ROW_ON_XLA and rows == 1 and layer is None and packed.ndim == 1
+      and n <= PACKED_ROW_ON_XLA_MAX_COLUMNS
+      and packed_column_blocks(x.dtype, x.shape[-1], n) is not None
+      and packed.size * packed.dtype.itemsize == onednn_packed_bytes(x.dtype, x.shape[-1], n)):
+    out = packed_row_on_xla(x2, packed, n)
+  else:
+    out = onednn_packed_matmul(x2, packed, n, layer)
   return out.astype(x.dtype).reshape(*x.shape[:-1], n)
 
 

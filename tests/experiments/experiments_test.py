@@ -347,8 +347,8 @@ class ExperimentsTest(parameterized.TestCase):
     has_torch = importlib.util.find_spec("torch") is not None
     torch = {"torch_f32", "torch_bf16"} if has_torch else set()
     mkl = {"mkl_f32", "mkl_bf16"} if matmul.mkl_unavailable_reason() is None else set()
-    onednn = ({"onednn_f32", "onednn_bf16", "onednn_packed_f32", "onednn_packed_bf16"}
-              if matmul.unavailable_reason("onednn") is None else set())
+    onednn = ({"onednn_f32", "onednn_bf16", "onednn_packed_f32", "onednn_packed_bf16",
+               "packed_dot_f32"} if matmul.unavailable_reason("onednn") is None else set())
     routes = {"f32", "bf16_plain", "bf16_ours", "numpy_f32"} | torch | mkl | onednn
     for row in r["rows"]:
       self.assertEqual(set(row) - {"shape", "m", "k", "n", "copies"}, routes)
@@ -358,7 +358,7 @@ class ExperimentsTest(parameterized.TestCase):
     self.assertEqual(r["cpu_vendor"], matmul.cpu_vendor())
     r_no_mkl = matmul_floor.run(dataclasses.replace(cfg, mkl=False, onednn=False))
     self.assertFalse({"mkl_f32", "mkl_bf16", "onednn_f32", "onednn_bf16", "onednn_packed_f32",
-                      "onednn_packed_bf16"} & set(r_no_mkl["rows"][0]))
+                      "onednn_packed_bf16", "packed_dot_f32"} & set(r_no_mkl["rows"][0]))
     text = matmul_floor.format_result(r)
     self.assertIn("over 7 weights", text)   # batch-1 gate/up: 0.01 MiB over [16 x 24] f32
     self.assertIn("over 5 weights", text)   # batch-1 lm head: over [16 x 40]

@@ -342,6 +342,38 @@ class OnednnPackedTest(parameterized.TestCase):
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-4)
         np.testing.assert_array_equal(got, self.packed(x, w.T, transpose=True))
 
+  def test_one_f32_row_on_xla_s_batched_dot_equals_the_float64_product(self):
+    # k=40 / 100: k padded to 48 / 112 in the layout; n=333: a partial column block.
+    for k, n in itertools.product((40, 100, 576), (8, 333, 1536)):
+      with self.subTest(k=k, n=n):
+        x, w = _operands(1, k, n, jnp.float32, seed=k + n)
+        got = matmul.packed_row_on_xla(x, matmul.onednn_pack(w), n)
+        ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-4)
+    self.assertIsNone(matmul.packed_column_blocks(jnp.bfloat16, 576, 1536))   # pairs of rows
+
+  def test_packed_dot_takes_xla_s_batched_dot_for_one_f32_row_only(self):
+    call = f'custom_call_target="{matmul.ONEDNN_PACKED_TARGET}"'
+    cases = [  # (rows, dtype, n, stacked, whether oneDNN's call runs it)
+        (1, jnp.float32, 96, False, False), (2, jnp.float32, 96, False, True),
+        (1, jnp.bfloat16, 96, False, True), (1, jnp.float32, 96, True, True),
+        (1, jnp.float32, matmul.PACKED_ROW_ON_XLA_MAX_COLUMNS + 64, False, True)]
+    for rows, dtype, n, stacked, on_onednn in cases:
+      with self.subTest(rows=rows, dtype=dtype.__name__, n=n, stacked=stacked):
+        x, w = _operands(rows, 40, n, dtype, seed=rows)
+        p = matmul.onednn_pack(w)
+        args = (x, jnp.stack([p, p]), 1) if stacked else (x, p, None)
+        fn = lambda x, p, layer=args[2]: matmul.onednn_packed_dot(x, p, n, layer)
+        self.assertEqual(call in _hlo(fn, *args[:2]), on_onednn)
+        ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+        np.testing.assert_allclose(np.asarray(jax.jit(fn)(*args[:2]), np.float64), ref,
+                                   rtol=1e-2 if dtype == jnp.bfloat16 else 1e-5, atol=1e-1
+                                   if dtype == jnp.bfloat16 else 1e-4)   # bf16: the cast out
+    with mock.patch.object(matmul, "PACKED_ROW_ON_XLA", False):
+      x, w = _operands(1, 40, 96, jnp.float32)
+      self.assertIn(call, _hlo(lambda x, p: matmul.onednn_packed_dot(x, p, 96), x,
+                               matmul.onednn_pack(w)))
+
   def test_two_threads_running_one_primitive_at_once_agree(self):
     # Each pool thread passes its own scratchpad: with oneDNN's shared one, bf16 products with a
     # partial block of k split between the threads went wrong (max error ~50) now and then.
