@@ -470,6 +470,12 @@ class OnednnPackedTest(parameterized.TestCase):
     prompts = [[3, 4, 5], [9, 8, 7, 6, 5, 4]]
     self.assertEqual([o.outputs[0].token_ids for o in e.generate(prompts, sp)],
                      [o.outputs[0].token_ids for o in ref.generate(prompts, sp)])
+    # One sequence decodes one row: its products on single packed weights take XLA's batched
+    # dot on the packed blocks (`matmul.packed_row_on_xla`; a scan's stacks, oneDNN's call).
+    with mock.patch.object(matmul, "packed_row_on_xla", wraps=matmul.packed_row_on_xla) as row:
+      self.assertEqual(e.generate(prompts[1:], sp)[0].outputs[0].token_ids,
+                       ref.generate(prompts[1:], sp)[0].outputs[0].token_ids)
+    self.assertGreater(row.call_count, 0)
 
   def saved_model(self) -> str:
     """A tiny tied-head Llama saved in Hugging Face's format by our own writer (no torch: the
