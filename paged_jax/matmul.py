@@ -436,7 +436,7 @@ def onednn_packed_matmul(x, packed, n: int, layer=None):
 
 # One row of f32 times a packed weight (not a stack) runs as XLA's batched dot over the packed
 # column blocks: SmolLM2's one-row layer products read at 26-33 GB/s that way against 20-24
-# through oneDNN's call (scratch, weights from memory; results page, "one row on XLA's batched
+# through oneDNN's call (scratch, weights from memory; results page, "one f32 row on XLA's batched
 # dot"). Its tied head (n = 49,152) read slower that way (21 against 24 GB/s) and stays on
 # oneDNN, as do stacks (a scan's layer: XLA would copy the slice) and bf16 (XLA's bf16 dots are
 # slow on a CPU).
