@@ -3,6 +3,9 @@
   python -m experiments.attention_bench                       # CPU sweep (issue 2's shapes)
   python -m experiments.attention_bench --preset=gpu          # GPU sweep (issue 4's shapes)
   python -m experiments.attention_bench --seq_lens=1024 --num_seqs=8 --modes=decode
+  python -m experiments.attention_bench --modes=decode --num_seqs=1 --seq_lens=1024 \
+      --num_q_heads=9 --num_kv_heads=3 --layers=30 --impls=decode_xla,decode_cpu \
+      --baseline=decode_xla          # SmolLM2's one user, each layer's pages from memory
 
 For every shape it checks each path against the f32 reference first, then times them side by side
 (interleaved rounds, median), and prints milliseconds, effective bandwidth (K/V bytes read / time),
@@ -84,6 +87,11 @@ class BenchConfig:
                                  # consecutive, as an allocator serving whole prompts hands them out)
   tiles: tuple[str, ...] = ()    # more runs of our kernel with these tiles (`parse_tiles`), each
                                  # timed beside the others as "pallas[<spec>]"
+  layers: int = 1                # > 1: one program chains the path over `layers` copies of the
+                                 # pages, each call's output the next one's queries, as a
+                                 # model's layers do; past the last-level cache together, each
+                                 # reads its pages from memory (a decode step's situation: the
+                                 # weights between two steps evict them). 1: one call, hot
 
   @property
   def mode(self) -> str:
@@ -244,6 +252,8 @@ def run(cfg: BenchConfig, copy_bytes_per_s: float | None = None) -> list[dict]:
   unknown = set(cfg.impls) - set(ALL_IMPLS)
   if unknown:
     raise ValueError(f"impls {sorted(unknown)} are not available; choose from {ALL_IMPLS}")
+  if cfg.layers < 1:
+    raise ValueError(f"layers={cfg.layers} must be >= 1")
   if copy_bytes_per_s is None:
     copy_bytes_per_s = copy_bandwidth()
   data = make_inputs(cfg)
@@ -279,17 +289,30 @@ def run(cfg: BenchConfig, copy_bytes_per_s: float | None = None) -> list[dict]:
       print(f"{cfg.mode} B={cfg.num_seqs} T={cfg.seq_len}: {name} FAILED ({type(e).__name__}: "
             f"{str(e).splitlines()[0][:200]})", flush=True)
       names.remove(name)
-  # 2) Steady state, interleaved so drift on a noisy machine hits every path alike.
+  # 2) Steady state, interleaved so drift on a noisy machine hits every path alike. With
+  #    `layers`, each timed call is one program of `layers` chained calls (seconds per call).
+  timed, arg = available, data
+  if cfg.layers > 1:
+    arg = [data] + [dict(data, k_pages=jnp.array(data["k_pages"], copy=True),
+                         v_pages=jnp.array(data["v_pages"], copy=True))
+                    for _ in range(cfg.layers - 1)]
+
+    def chain(f, copies):
+      q = copies[0]["q"]
+      for d in copies:
+        q = f(dict(d, q=q)).astype(q.dtype)
+      return q
+    timed = {name: jax.jit(functools.partial(chain, available[name])) for name in names}
   samples = {name: [] for name in names}
   for _ in range(cfg.rounds):
     for name in names:
-      f = available[name]
-      f(data).block_until_ready()
+      f = timed[name]
+      f(arg).block_until_ready()
       t = time.perf_counter()
       for _ in range(cfg.iters):
-        out = f(data)
+        out = f(arg)
       out.block_until_ready()
-      samples[name].append((time.perf_counter() - t) / cfg.iters)
+      samples[name].append((time.perf_counter() - t) / cfg.iters / cfg.layers)
   kv_bytes = (2 * int(seq_lens(cfg).sum()) * cfg.num_kv_heads * cfg.head_dim
                * jnp.dtype(cfg.dtype).itemsize)   # the keys and values the rows hold
   base = statistics.median(samples[cfg.baseline]) if cfg.baseline in samples else None
@@ -332,6 +355,7 @@ def format_records(records: Sequence[dict]) -> str:
   for r in records:
     ratio = f"{r['ratio_vs_baseline']:.2f}x" if r["ratio_vs_baseline"] else "-"
     lines.append(f"{r['mode']:7s} B={r['num_seqs']:<3d} T={r['seq_len']:<5d} {r['table_order'][:4]} "
+                 f"{'L=%d ' % r['layers'] if r.get('layers', 1) > 1 else ''}"
                  f"{r['impl']:16s} "
                  f"{r['ms']:8.3f} ms  {r['kv_gb_per_s']:7.1f} GB/s  "
                  f"{r['fraction_of_copy_bw']:5.2f} of copy  {ratio:>6s} vs {r['baseline']}  "
@@ -369,7 +393,7 @@ def main(argv):
                 head_dim=pick(_HEAD_DIM, "head_dim"), dtype=pick(_DTYPE, "dtype"),
                 block_tokens=_BLOCK_TOKENS.value, impls=impls, table_order=_TABLE_ORDER.value,
                 baseline=_BASELINE.value or preset["baseline"], rounds=_ROUNDS.value,
-                iters=_ITERS.value, min_seq_len=_MIN_SEQ_LEN.value,
+                iters=_ITERS.value, min_seq_len=_MIN_SEQ_LEN.value, layers=_LAYERS.value,
                 tiles=tuple(_TILES.value or ()))
   for spec in common["tiles"]:
     parse_tiles(spec)   # a bad spec fails here, before any timing
@@ -432,5 +456,7 @@ if __name__ == "__main__":
                                    "Page order in the block tables.")
   _ROUNDS = flags.DEFINE_integer("rounds", 5, "Interleaved timing rounds (median is reported).")
   _ITERS = flags.DEFINE_integer("iters", 5, "Calls per round.")
+  _LAYERS = flags.DEFINE_integer("layers", 1, "Copies of the pages the timed calls take in turn "
+                                 "(30: SmolLM2's layers; their pages come from memory).")
   _OUT = flags.DEFINE_string("out", "experiments/results/attention_bench.jsonl", "JSONL to append to.")
   app.run(main)

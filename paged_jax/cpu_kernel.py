@@ -46,7 +46,9 @@ TARGET = "paged_jax_cpu_attention"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC",
          "-w")   # -w: jaxlib's FFI headers warn under g++ 12
 # Query tokens x kv heads per thread before a second thread is asked to help: below this,
-# scheduling a pool task costs more than it saves (one user is 3 on SmolLM2).
+# scheduling a pool task costs more than it saves (one user is 3 on SmolLM2). A call that reads
+# many keys gets a helper however few its units (cpu_kernel.cc's kMinKeyRowsPerThread: one
+# user's long context).
 MIN_UNITS_PER_THREAD = 8
 MAX_GROUP = 16   # query heads per kv head at most (cpu_kernel.cc's kMaxGroup)
 # glibc's vector math library, for the kernel's exp (cpu_kernel.cc's Exp16) on x86-64.
@@ -171,8 +173,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, cu_q_lens, *,
     k_pages, v_pages: dtype[num_pages, page_size, num_kv_heads, head_dim] (one layer).
     block_tables: i32[num_seqs, max_pages_per_seq]; seq_lens: i32[num_seqs];
       cu_q_lens: i32[num_seqs + 1].
-    min_units_per_thread: query tokens x kv heads per thread before another thread helps (0:
-      one thread).
+    min_units_per_thread: query tokens x kv heads per thread before another thread helps (a
+      call reading many keys gets a helper anyway: MIN_UNITS_PER_THREAD; 0: one thread).
 
   Returns:
     dtype[num_tokens, num_q_heads, head_dim] (and f32[num_tokens, num_q_heads] lse if asked);

@@ -42,6 +42,15 @@ class ExperimentsTest(parameterized.TestCase):
         attention_bench.BenchConfig(**{**cfg.__dict__, "table_order": "sequential"}),
         copy_bytes_per_s=1e9)
     self.assertTrue(all(r["max_abs_err"] <= 1e-5 for r in sequential))
+    # layers: the timed calls take three copies of the pages in turn (a model's layers).
+    layered = attention_bench.run(attention_bench.BenchConfig(**{**cfg.__dict__, "layers": 3}),
+                                  copy_bytes_per_s=1e9)
+    self.assertEqual([(r["impl"], r["layers"]) for r in layered],
+                     [(name, 3) for name in cfg.impls])
+    self.assertIn("L=3 ", attention_bench.format_records(layered))
+    with self.assertRaisesRegex(ValueError, "layers=0 must be >= 1"):
+      attention_bench.run(attention_bench.BenchConfig(**{**cfg.__dict__, "layers": 0}),
+                          copy_bytes_per_s=1e9)
     with self.assertRaisesRegex(ValueError, "table_order='random'"):
       attention_bench.run(attention_bench.BenchConfig(table_order="random"), copy_bytes_per_s=1e9)
     with self.assertRaisesRegex(ValueError, "not available"):

@@ -68,6 +68,21 @@ class ExactnessTest(parameterized.TestCase):
       np.testing.assert_allclose(np.asarray(out, np.float64), testing.naive_paged_attention(*inp),
                                  **F32)
 
+  @parameterized.product(dtype=(jnp.float32, jnp.bfloat16), window=(None, 300))
+  def test_one_long_decode_row_matches_the_oracle(self, dtype, window):
+    # One user's decode row past the keys at which a second thread takes some of its 3 units
+    # (cpu_kernel.cc's kMinKeyRowsPerThread) at the default min_units_per_thread, on pages in
+    # any order; its keys come in many chunks, each asked for one chunk ahead.
+    inp = testing.random_paged_inputs(7, [1000], q_lens=[1], page_size=16, num_kv_heads=3,
+                                      q_per_kv=3, head_dim=64, dtype=dtype)
+    out, lse = cpu_kernel.paged_attention(*inp, return_lse=True, sliding_window=window)
+    np.testing.assert_allclose(np.asarray(out, np.float64),
+                               testing.naive_paged_attention(*inp, sliding_window=window),
+                               **(F32 if dtype == jnp.float32 else BF16))
+    if dtype == jnp.float32:
+      _, lse_xla = attention.decode_attention_xla(*inp, return_lse=True, sliding_window=window)
+      np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_xla), **F32)
+
   @parameterized.product(window=(None, 1, 3, 6, 40), dtype=(jnp.float32, jnp.bfloat16),
                          threads=(0, 1))
   def test_prefill_chunks_match_the_oracle(self, window, dtype, threads):
