@@ -456,7 +456,7 @@ if __name__ == "__main__":
                                    "Page order in the block tables.")
   _ROUNDS = flags.DEFINE_integer("rounds", 5, "Interleaved timing rounds (median is reported).")
   _ITERS = flags.DEFINE_integer("iters", 5, "Calls per round.")
-  _LAYERS = flags.DEFINE_integer("layers", 1, "Copies of the pages the timed calls take in turn "
-                                 "(30: SmolLM2's layers; their pages come from memory).")
+  _LAYERS = flags.DEFINE_integer("layers", 1, "Copies of the pages one timed program chains the "
+                                 "path over (30: SmolLM2's layers; the pages come from memory).")
   _OUT = flags.DEFINE_string("out", "experiments/results/attention_bench.jsonl", "JSONL to append to.")
   app.run(main)

@@ -42,7 +42,8 @@ class ExperimentsTest(parameterized.TestCase):
         attention_bench.BenchConfig(**{**cfg.__dict__, "table_order": "sequential"}),
         copy_bytes_per_s=1e9)
     self.assertTrue(all(r["max_abs_err"] <= 1e-5 for r in sequential))
-    # layers: the timed calls take three copies of the pages in turn (a model's layers).
+    # layers: one timed program chains each path over three copies of the pages (a model's
+    # layers); the records say so.
     layered = attention_bench.run(attention_bench.BenchConfig(**{**cfg.__dict__, "layers": 3}),
                                   copy_bytes_per_s=1e9)
     self.assertEqual([(r["impl"], r["layers"]) for r in layered],
