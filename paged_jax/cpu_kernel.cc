@@ -261,8 +261,9 @@ void Unit(const Problem& p, const T* q, const T* k, const T* v, const int32_t* t
     // 1.3-1.75x (pages from memory; results page, "decode attention asks for its next keys").
     const int64_t ahead = std::min<int64_t>(c0 + 2 * kKeys, last);
     for (int64_t pos = c0 == first ? c0 : c0 + kKeys; pos < ahead; ++pos) {
-      const char* kb = reinterpret_cast<const char*>(k + row_at(pos));
-      const char* vb = reinterpret_cast<const char*>(v + row_at(pos));
+      const int64_t at = row_at(pos);   // the same offset in k and v
+      const char* kb = reinterpret_cast<const char*>(k + at);
+      const char* vb = reinterpret_cast<const char*>(v + at);
       for (int64_t b = 0; b < row_bytes; b += 64) {
         __builtin_prefetch(kb + b, 0, 1);
         __builtin_prefetch(vb + b, 0, 1);
