@@ -324,7 +324,8 @@ class WarmupTest(absltest.TestCase):
       self.assertEqual(e.metrics()["programs_on_demand_s"], 0.0)   # timed with a store only
     self.assertGreater(e.metrics()["cached_prompt_tokens"], 0)
     self.assertEqual(e.metrics()["programs_not_warmed"], 0)
-    self.assertEqual(e.metrics()["programs"], 3)   # prefill of 64 and of 128 tokens, a round
+    # prefill of 32 tokens, of the second turn's 100 uncached ones (112) and of 70 (80); a round
+    self.assertEqual(e.metrics()["programs"], 4)
     self.assertEqual([n for n in events if "compile" in n or "trace" in n], [])
     self.assertEqual(out[True], out[False])
     with self.assertRaisesRegex(ValueError, "scope='most' is not"):
@@ -344,13 +345,13 @@ class WarmupTest(absltest.TestCase):
     # its least recently used programs (and JAX's caches), and a dropped one compiles again.
     from unittest import mock
     from paged_jax import program_store
-    sched = dict(max_num_batched_tokens=128, steps_per_sync=3, max_num_seqs=2)
+    sched = dict(max_num_batched_tokens=80, steps_per_sync=3, max_num_seqs=2)
     prompt, sp = [t % 64 for t in range(1, 30)], SamplingParams(max_tokens=8)
     e = make(num_pages=200, **sched)
     want = e.generate([prompt], sp)[0].outputs[0].token_ids
     e.warmup("one_user")
     keys = list(e._compiled)   # oldest first
-    self.assertEqual(len(keys), 8)   # prefill buckets 16-128, rounds of 1 and 2, decode 1 and 8
+    self.assertEqual(len(keys), 8)   # prefill buckets 16-80, rounds of 1 and 2, decode 1 and 8
     sizes = [k.num_decode + k.num_prefill_tokens for k in keys]
     self.assertEqual(sizes, sorted(sizes, reverse=True))   # the small ones last: they stay
     maps = lambda: 100 + 300 * len(e._compiled)   # noqa: E731  (a simulated process)

@@ -27,8 +27,12 @@ class BucketTest(absltest.TestCase):
     self.assertEqual(got, [1, 2, 4, 4, 8, 8, 16, 64])
 
   def test_token_buckets(self):
-    self.assertEqual([batching.token_bucket(n) for n in (1, 16, 17, 256, 257, 300, 2049)],
-                     [16, 16, 32, 256, 288, 320, 2304])
+    # Powers of two up to 64, four buckets an octave up to 256, eight above.
+    self.assertEqual([batching.token_bucket(n) for n in (1, 16, 17, 33, 64, 65, 81, 128, 129, 144,
+                                                          161, 256, 257, 300, 2049)],
+                     [16, 16, 32, 64, 64, 80, 96, 128, 160, 160, 192, 256, 288, 320, 2304])
+    self.assertEqual(sorted({batching.token_bucket(n) for n in range(1, 513)}),
+                     [16, 32, 64, 80, 96, 112, 128, 160, 192, 224, 256] + list(range(288, 513, 32)))
 
   def test_decode_rounds_pad_to_a_power_of_two_rows(self):
     for users, rows in ((1, 1), (2, 2), (3, 4), (9, 16)):
@@ -87,11 +91,11 @@ class ProgramsTest(absltest.TestCase):
     keys = batching.reachable_programs(limits)
     buckets = sorted({batching.token_bucket(n, batching.MIN_PREFILL_TOKENS)
                       for n in range(1, 257)})
-    self.assertEqual(buckets, [16, 32, 64, 128, 256])
+    self.assertEqual(buckets, [16, 32, 64, 80, 96, 112, 128, 160, 192, 224, 256])
     self.assertEqual(sorted(keys), sorted(
         [batching.ProgramKey("round", 1, 0, 0, 1, 128, 1, 0, 3),
          batching.ProgramKey("step", 1, 0, 0, 1, 128, 1)] +
-        [batching.ProgramKey("step", 0, 4, t, max(t, batching.MIN_Q_BUCKET), 128, 4)
+        [batching.ProgramKey("step", 0, 4, t, batching.next_pow2(t, batching.MIN_Q_BUCKET), 128, 4)
          for t in buckets]))
     # The kernel path keeps its width buckets: 64 and 128 columns here.
     wide = batching.reachable_programs(dataclasses.replace(limits, fixed_width=False))
@@ -132,13 +136,13 @@ class ProgramsTest(absltest.TestCase):
     one_user = set(batching.reachable_programs(dataclasses.replace(limits, max_num_seqs=1)))
     self.assertLessEqual(one_user, light)
     self.assertEqual({k.num_prefill_rows for k in light}, {0, batching.MIN_PREFILL_ROWS})
-    # Two short prompts in one step (40 + 30 tokens) make the 128-token bucket with max_q_len
-    # 64, which one prompt of 65-128 tokens (max_q_len 128) never does.
+    # Two short prompts in one step (40 + 30 tokens) make the 80-token bucket with max_q_len
+    # 64, which one prompt of 65-80 tokens (max_q_len 128) never does.
     for p in ([1] * 40, [2] * 30):
       engine.add_request(p, SamplingParams(max_tokens=2, ignore_eos=True))
     engine.step()
     pair = set(engine.programs) - trickle
-    self.assertEqual([(k.num_prefill_tokens, k.max_q_len) for k in pair], [(128, 64)])
+    self.assertEqual([(k.num_prefill_tokens, k.max_q_len) for k in pair], [(80, 64)])
     self.assertEqual(pair & light, set())
     self.assertLess(len(light), len(batching.reachable_programs(limits)))   # 15 of 36 here
     # The scheduler's max_prefill_rows=1 makes `light` every program its limits reach, and
