@@ -278,6 +278,16 @@ class Engine(EngineLoop):
     if why:   # refused by name, never upcast behind the caller's back
       raise ValueError(f"the KV pool format cannot run here: {why}")
     self.pool = self._new_pool()
+    # Prefill chunks on the C++ CPU kernel, which ignores max_q_len: a step's max_q_len then
+    # follows its token bucket, and a step of two to four prompts runs the program one prompt of
+    # its bucket runs (`batching.ProgramLimits.q_from_tokens`), so `--warmup=one_prompt` covers
+    # it. On the other paths max_q_len pads work, so it follows the longest chunk.
+    self.q_from_tokens = bool(
+        impl in ("cpu", "auto") and not uses_kernel and not self.cpu_kernel_reason
+        and not self.kv_format and attention.PREFILL_ON_CPU_KERNEL
+        and attention.cpu_kernel_applies(
+            jax.ShapeDtypeStruct((1, cfg.num_q_heads, cfg.head_dim), jnp.dtype(cfg.dtype)),
+            jax.ShapeDtypeStruct(self.pool.k.shape[1:], self.pool.k.dtype), impl))
     self.programs: collections.Counter[batching.ProgramKey] = collections.Counter()  # -> calls
     self._compiled: dict[batching.ProgramKey, object] = {}   # warmed up, or loaded
     self._warmed: set[batching.ProgramKey] = set()           # what `warmup` provided
@@ -573,8 +583,11 @@ class Engine(EngineLoop):
     top_n = max((2 * r.group.params.beam_width if r.group.params.use_beam_search
                  else r.group.params.logprobs) for r in plan.rows)
     num_logprobs = batching.next_pow2(top_n) if top_n else 0
-    build = batching.build_decode_round if plan.num_steps > 1 else batching.build_step
-    a = build(plan, self.bm, self.max_pages_per_seq, self.fixed_width)
+    if plan.num_steps > 1:
+      a = batching.build_decode_round(plan, self.bm, self.max_pages_per_seq, self.fixed_width)
+    else:
+      a = batching.build_step(plan, self.bm, self.max_pages_per_seq, self.fixed_width,
+                              self.q_from_tokens)
     self._validate(plan, a)
     key = batching.program_key(a, plan.num_steps, num_logprobs, self.stoppable_rounds)
     self.programs[key] += 1
@@ -659,7 +672,7 @@ class Engine(EngineLoop):
     return batching.ProgramLimits(sc.max_num_seqs, sc.max_num_batched_tokens,
                                   self.cfg.max_position, self.page_size, sc.steps_per_sync,
                                   self.fixed_width, sc.max_prefill_rows,
-                                  self.stoppable_rounds)
+                                  self.stoppable_rounds, self.q_from_tokens)
 
   def warmup_programs(self, scope: str = "one_user") -> list[batching.ProgramKey]:
     """The programs `warmup(scope)` compiles (n=1, no beams or logprobs). "one_user":

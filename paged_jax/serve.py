@@ -319,7 +319,8 @@ def summarize(engine: Engine, requests: list[_Request], outs, seconds: float) ->
       "capacity_tokens": capacity, "num_pages": engine.num_pages,
       # decode rows per model step (a k-step round counts k steps; prefill steps count too)
       "mean_decode_batch": m["decode_tokens"] / max(1, m["decode_steps"] + m["prefill_steps"]),
-      "steps": m["steps"], "prefill_s": m["prefill_s"], "decode_s": m["decode_s"],
+      "steps": m["steps"], "prefill_steps": m["prefill_steps"],
+      "prefill_s": m["prefill_s"], "decode_s": m["decode_s"],
       "host_s": m["host_s"], "validate_s": m["validate_s"],
       "scrubbed_pages": m["scrubbed_pages"],
       "programs": m["programs"], "programs_not_warmed": m["programs_not_warmed"],
@@ -460,7 +461,8 @@ def define_engine_flags():
   flags.DEFINE_integer("max_num_batched_tokens", 2048, "Token budget per step.")
   flags.DEFINE_integer("steps_per_sync", 4, "Decode steps per host sync.")
   flags.DEFINE_integer("max_prefill_rows", None, "Most prompts prefilled in one step (default: "
-                       "no bound; 1 with --warmup=one_prompt: no step waits for a compile).",
+                       "no bound; with --warmup=one_prompt no step waits for a compile at 4 "
+                       "on the C++ CPU kernel, at 1 on the XLA path).",
                        lower_bound=1)
   flags.DEFINE_bool("stoppable_rounds", False, "Run each decode round as chained one-step "
                     "programs that the server ends early when a request arrives (its queue "

@@ -116,9 +116,10 @@ def sampling_rows(plan: StepPlan) -> list:
 
 
 def build_step(plan: StepPlan, bm: BlockManager, max_pages_per_seq: int = 1,
-               fixed_width: bool = False) -> dict:
+               fixed_width: bool = False, q_from_tokens: bool = False) -> dict:
   """Arrays of a one-step plan (decode rows and prefill chunks mixed); fixed_width: as in
-  `table_width`.
+  `table_width`; q_from_tokens: max_q_len from the step's token bucket, not its longest chunk
+  (`ProgramLimits.q_from_tokens`).
 
   Returns a dict: tokens, positions, slots i32[num_tokens]; block_tables i32[num_rows, width];
   seq_lens i32[num_rows]; cu_q_lens i32[num_rows + 1]; logits_indices i32[num_samples_padded]
@@ -173,7 +174,8 @@ def build_step(plan: StepPlan, bm: BlockManager, max_pages_per_seq: int = 1,
   return dict(tokens=tokens, positions=positions, slots=slots, block_tables=block_tables,
               seq_lens=seq_lens, cu_q_lens=cu, logits_indices=logits_indices,
               sampling=SamplingArrays.from_rows(sampling_rows(plan), num_samples),
-              max_q_len=next_pow2(max(chunk_lens), MIN_Q_BUCKET) if prefill else 1,
+              max_q_len=(next_pow2(num_prefill_tokens if q_from_tokens else max(chunk_lens),
+                                   MIN_Q_BUCKET) if prefill else 1),
               num_decode=num_decode)
 
 
@@ -242,6 +244,10 @@ class ProgramLimits:
   fixed_width: bool = False
   max_prefill_rows: int | None = None   # the scheduler's bound on prefill chunks per step
   stoppable_rounds: bool = False   # rounds run as chained "link" programs, not k-step scans
+  # A step's max_q_len is next_pow2(its token bucket, MIN_Q_BUCKET), not its longest chunk's:
+  # where prefill attention ignores max_q_len (the C++ CPU kernel), so that a step of up to
+  # MIN_PREFILL_ROWS prompts runs the program one prompt of its token bucket runs.
+  q_from_tokens: bool = False
 
 
 def _classes(bucket, upper: int) -> dict[int, tuple[int, int]]:
@@ -290,8 +296,9 @@ def reachable_programs(limits: ProgramLimits, max_prompts: int | None = None) ->
           if t_lo > t_hi:
             continue
           # the longest chunk: at least an even share of the tokens, at most all of them
-          qs = {next_pow2(c, MIN_Q_BUCKET)
-                for c in range(-(-t_lo // rows_hi), min(t_hi, longest_chunk) + 1)}
+          longest = range(-(-t_lo // rows_hi), min(t_hi, longest_chunk) + 1)
+          qs = ({next_pow2(t, MIN_Q_BUCKET)} if longest and limits.q_from_tokens else
+                {next_pow2(c, MIN_Q_BUCKET) for c in longest})
           keys += [ProgramKey("step", d, p, t, q, w, d + p) for q in sorted(qs)]
   return keys
 

@@ -39,19 +39,24 @@ class ServeTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "warmup='yes' is not one of"):
       serve.run(serve.ServeConfig(prompts=("a",), warmup="yes"), MODEL)
 
-  def test_one_prefill_row_a_step_stays_in_one_prompt_warmup(self):
-    # Two prompts at once (40 and 30 tokens) would make a step outside what `--warmup=one_prompt`
-    # compiles (batching_test: their longest chunk buckets below their token bucket); under
-    # max_prefill_rows=1, passed on to the scheduler, they prefill a step apart, inside it.
+  def test_prompts_together_stay_in_one_prompt_warmup(self):
+    # Two prompts at once (40 and 30 tokens). Under max_prefill_rows=1, passed on to the
+    # scheduler, they prefill a step apart. Under 4 they share a step, which on the XLA path
+    # would be a program outside what `--warmup=one_prompt` compiles (batching_test: their
+    # longest chunk buckets below their token bucket); on the C++ CPU kernel, the engine's path
+    # here, the step's max_q_len follows its token bucket and the program is one prompt's.
     texts = (" ".join("abcdefgh" * 5), " ".join("pqrst" * 6))
-    cfg = serve.ServeConfig(prompts=texts, page_size=4, num_pages=64, max_num_seqs=2,
-                            max_num_batched_tokens=128, max_prefill_rows=1, warmup="one_prompt",
-                            progress=False)
-    r = serve.run(cfg, MODEL)
-    self.assertLen(r["completions"], 2)
-    self.assertTrue(all(c["text"] for c in r["completions"]))
-    self.assertEqual(r["programs_not_warmed"], 0)
-    self.assertEqual(r["programs_on_demand"], 0)
+    for rows, steps in ((1, 2), (4, 1)):
+      with self.subTest(max_prefill_rows=rows):
+        cfg = serve.ServeConfig(prompts=texts, page_size=4, num_pages=64, max_num_seqs=2,
+                                max_num_batched_tokens=128, max_prefill_rows=rows,
+                                warmup="one_prompt", progress=False)
+        r = serve.run(cfg, MODEL)
+        self.assertLen(r["completions"], 2)
+        self.assertTrue(all(c["text"] for c in r["completions"]))
+        self.assertEqual(r["prefill_steps"], steps)
+        self.assertEqual(r["programs_not_warmed"], 0)
+        self.assertEqual(r["programs_on_demand"], 0)
 
   def test_a_due_arrival_interrupts_the_step(self):
     # serve() asks the engine to end a stoppable round when the next request is due: on a

@@ -1,12 +1,13 @@
 """Shape buckets of the host's step arrays (`paged_jax.host.batching`): how many programs a run
 compiles, and which rows, tokens and table columns each one pads to."""
 
+import collections
 import dataclasses
 
 from absl.testing import absltest
 import numpy as np
 
-from paged_jax import config, testing
+from paged_jax import config, cpu_kernel, testing
 from paged_jax.config import CacheConfig
 from paged_jax.engine import Engine
 from paged_jax.host import batching
@@ -111,13 +112,14 @@ class ProgramsTest(absltest.TestCase):
   def test_one_prompt_programs_cover_a_light_load(self):
     # Requests arriving one at a time while others decode (a server under a light load) run
     # only programs of `reachable_programs(max_prompts=1)`: every decode program, and steps
-    # that prefill one prompt's chunk beside any decode rows. Two prompts in one step can take
-    # a program outside it (a shorter longest chunk: a smaller max_q_len bucket).
+    # that prefill one prompt's chunk beside any decode rows. On the XLA path two prompts in one
+    # step can take a program outside it (a shorter longest chunk: a smaller max_q_len bucket).
     rng = np.random.default_rng(4)
     engine = Engine(None, CFG, cache=CacheConfig(page_size=4, num_pages=600),
                     scheduler=SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=256,
                                               steps_per_sync=3),
-                    steps=testing.FakeSteps().functions())
+                    impl="xla", steps=testing.FakeSteps().functions())
+    self.assertFalse(engine.q_from_tokens)
     for n in rng.integers(1, 300, 30):
       engine.add_request(rng.integers(0, 500, n).tolist(),
                          SamplingParams(max_tokens=int(rng.integers(1, 12)), ignore_eos=True))
@@ -159,6 +161,37 @@ class ProgramsTest(absltest.TestCase):
         capped.step()
     self.assertLessEqual(set(capped.programs), light)
     self.assertEqual({k.num_prefill_rows for k in capped.programs}, {0, batching.MIN_PREFILL_ROWS})
+
+  def test_on_the_cpu_kernel_prompts_together_run_one_prompts_programs(self):
+    # The C++ kernel ignores max_q_len, so a step's follows its token bucket: up to
+    # MIN_PREFILL_ROWS prompts in one step (none capped) run a program of
+    # `reachable_programs(max_prompts=1)`, the pair above included.
+    if cpu_kernel.unavailable_reason() is not None:
+      self.skipTest(f"the CPU kernel cannot run here: {cpu_kernel.unavailable_reason()}")
+    engine = Engine(None, CFG, cache=CacheConfig(page_size=4, num_pages=600),
+                    scheduler=SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=256,
+                                              steps_per_sync=3, max_prefill_rows=4),
+                    impl="cpu", steps=testing.FakeSteps().functions())
+    self.assertTrue(engine.q_from_tokens)
+    light = set(batching.reachable_programs(engine.program_limits, max_prompts=1))
+    self.assertEqual(set(batching.reachable_programs(engine.program_limits)), light)
+    self.assertEqual({k.max_q_len for k in light if k.num_prefill_rows},
+                     {batching.next_pow2(k.num_prefill_tokens, batching.MIN_Q_BUCKET)
+                      for k in light if k.num_prefill_rows})
+    for together in (([1] * 40, [2] * 30), ([3] * 290, [4] * 7), ([5] * 9, [6] * 20, [7] * 50)):
+      for p in together:
+        engine.add_request(p, SamplingParams(max_tokens=2, ignore_eos=True))
+      before = collections.Counter(engine.programs)
+      engine.step()
+      (first,) = (engine.programs - before).keys()
+      if sum(map(len, together)) <= 256:   # every prompt in the first step
+        self.assertEqual(first.num_prefill_tokens,
+                         batching.token_bucket(sum(map(len, together))))
+      while engine.has_unfinished():
+        engine.step()
+      self.assertLessEqual(set(engine.programs), light)
+    # 40 + 30 tokens: the program of one prompt of 65-80 tokens (max_q_len 128, not 64)
+    self.assertIn(batching.ProgramKey("step", 0, 4, 80, 128, 128, 4), engine.programs)
 
   def test_a_mixed_step_samples_one_row_per_row(self):
     # 5 decode rows (padded to 8) and 4 prompts (4 rows) all sample: 9 sample rows pad to the
