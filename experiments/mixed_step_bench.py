@@ -8,8 +8,10 @@ prompt beside the decode rows already running. For each (decode rows, prompt tok
 `decode_rows` requests through the engine (one step per sync), then, for every trial, adds one
 request of `prompt_tokens` random tokens that wants one token, and times the `Engine.step` that
 prefills it (wall time: the host's scheduling and batch building, the compiled step, the
-sampled token back on the host). Prompt lengths at the engine's token buckets (16, 32, 64, ...)
-are what their padded programs cost.
+sampled token back on the host). Prompt lengths at the engine's token buckets (16, 32, 64, 80,
+...) are what their padded programs cost. --prompts=k adds k such requests at once instead,
+all prefilled in that one step (prompts that arrive together; one prompt a step would take k
+steps of the one-prompt time).
 
 Variants, each its own engine, timed interleaved trial by trial:
 - engine: the engine as it is;
@@ -59,6 +61,7 @@ class MixedStepConfig:
   background_prompt: int = 32     # the decode rows' prompt tokens
   scan_layers: bool = False
   page_size: int = 32
+  prompts: int = 1                # requests of prompt_tokens added together, one step for all
 
 
 def _variant(name: str):
@@ -105,7 +108,7 @@ def own_steps():
 
 
 def run(cfg: MixedStepConfig, progress=print) -> dict:
-  """{"rows": [{decode_rows, prompt_tokens, variant, ms, ms_all}], ...}."""
+  """{"rows": [{decode_rows, prompt_tokens, prompts, variant, ms, ms_all}], ...}."""
   from paged_jax import checkpoint, embedded
   from paged_jax.config import CacheConfig
   from paged_jax.engine import Engine
@@ -113,11 +116,13 @@ def run(cfg: MixedStepConfig, progress=print) -> dict:
   from paged_jax.sampling import SamplingParams
   for r in cfg.variants:
     _variant(r)   # a bad variant fails before loading anything
+  if cfg.prompts < 1:
+    raise ValueError(f"prompts={cfg.prompts}: at least one prompt a step")
   params, mcfg, _ = checkpoint.load_checkpoint(cfg.model_dir or embedded.EMBEDDED_MODEL_DIR,
                                                cfg.dtype)
   rng = np.random.default_rng(0)
   prompt = lambda n: [int(t) for t in rng.integers(3, mcfg.vocab_size, n)]
-  budget = max(cfg.prompt_tokens) + max(cfg.decode_rows)
+  budget = cfg.prompts * max(cfg.prompt_tokens) + max(cfg.decode_rows)
   rows = []
   for d in cfg.decode_rows:
     # Enough tokens for every timed step, once per variant, plus one warm-up pass.
@@ -125,7 +130,7 @@ def run(cfg: MixedStepConfig, progress=print) -> dict:
     engines = {r: Engine(params, variant_config(r, mcfg),
                          cache=CacheConfig(page_size=cfg.page_size),
                          scheduler=SchedulerConfig(steps_per_sync=1, max_num_batched_tokens=budget,
-                                                   max_num_seqs=d + 1),
+                                                   max_num_seqs=d + cfg.prompts),
                          scan_layers=cfg.scan_layers, steps=own_steps()) for r in cfg.variants}
     background = [prompt(cfg.background_prompt) for _ in range(d)]
     for r, engine in engines.items():
@@ -137,26 +142,28 @@ def run(cfg: MixedStepConfig, progress=print) -> dict:
     times = {(n, r): [] for n in cfg.prompt_tokens for r in cfg.variants}
     for trial in range(cfg.trials + 1):   # trial 0 compiles (untimed)
       for n in cfg.prompt_tokens:
-        p = prompt(n)
+        ps = [prompt(n) for _ in range(cfg.prompts)]
         for r, engine in engines.items():
           with _variant(r):
-            rid = engine.add_request(p, SamplingParams(max_tokens=1))
+            rids = {engine.add_request(p, SamplingParams(max_tokens=1)) for p in ps}
             t = time.perf_counter()
             outs = engine.step()
             seconds = time.perf_counter() - t
-          out = next(o for o in outs if o.request_id == rid)
-          if not out.finished:
-            raise RuntimeError(f"the {n}-token prompt was not prefilled in one step ({r})")
+          if {o.request_id for o in outs if o.finished} & rids != rids:
+            raise RuntimeError(f"{cfg.prompts} prompt(s) of {n} tokens were not prefilled in one "
+                               f"step ({r})")
           if trial:
             times[(n, r)].append(seconds)
     for (n, r), ts in times.items():
       ts = 1e3 * np.asarray(ts)
       base = 1e3 * np.asarray(times[(n, "engine")]) if "engine" in cfg.variants else None
-      rows.append(dict(decode_rows=d, prompt_tokens=n, variant=r, ms=float(np.median(ts)),
+      rows.append(dict(decode_rows=d, prompt_tokens=n, prompts=cfg.prompts, variant=r,
+                       ms=float(np.median(ts)),
                        ms_all=ts.tolist(),   # paired: the median of trial-by-trial differences
                        vs_engine_ms=None if base is None else float(np.median(ts - base))))
       x = rows[-1]
-      progress(f"decode rows {d:3d}  prompt {n:4d} tokens  {r:20s}  {x['ms']:8.2f} ms"
+      progress(f"decode rows {d:3d}  prompt {n:4d} tokens" + (f" x {cfg.prompts}" if
+               cfg.prompts > 1 else "") + f"  {r:20s}  {x['ms']:8.2f} ms"
                + ("" if base is None else f"  ({x['vs_engine_ms']:+.2f} ms against engine)"))
   return dict(kind="mixed_step_bench", config=dataclasses.asdict(cfg), jax=jax.__version__,
               device=jax.devices()[0].device_kind, rows=rows)
@@ -169,7 +176,7 @@ def main(argv):
   result = run(MixedStepConfig(
       model_dir=f.model_dir, dtype=f.dtype, prompt_tokens=tuple(int(x) for x in f.prompt_tokens),
       decode_rows=tuple(int(x) for x in f.decode_rows), variants=tuple(f.variants),
-      trials=f.trials, scan_layers=f.scan_layers, page_size=f.page_size))
+      trials=f.trials, scan_layers=f.scan_layers, page_size=f.page_size, prompts=f.prompts))
   if f.out:
     os.makedirs(os.path.dirname(f.out) or ".", exist_ok=True)
     with open(f.out, "a") as fh:
@@ -188,6 +195,8 @@ if __name__ == "__main__":
   flags.DEFINE_integer("trials", 11, "Timed steps per (rows, prompt, variant); the median.")
   flags.DEFINE_bool("scan_layers", False, "The layers as a lax.scan.")
   flags.DEFINE_integer("page_size", 32, "Tokens per page.")
+  flags.DEFINE_integer("prompts", 1, "Prompts of --prompt_tokens added together, all prefilled "
+                       "in the timed step.")
   flags.DEFINE_string("out", "experiments/results/mixed_step_bench.jsonl", "JSONL to append to "
                       "('' = none).")
   app.run(main)

@@ -566,6 +566,23 @@ class ExperimentsTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "variant 'pallas' is not one of"):
       mixed_step_bench.run(dataclasses.replace(cfg, variants=("pallas",)))
 
+  def test_mixed_step_bench_times_prompts_that_arrive_together(self):
+    # --prompts=2: two prompts of the size in the one timed step (and the bench refuses a step
+    # that did not prefill them all, as one prompt a step would).
+    import functools
+    from unittest import mock
+    from paged_jax.host import scheduler
+    cfg = mixed_step_bench.MixedStepConfig(prompt_tokens=(16,), decode_rows=(1,), trials=1,
+                                           variants=("engine",), prompts=2)
+    r = mixed_step_bench.run(cfg, progress=lambda *_: None)
+    self.assertEqual([(x["prompt_tokens"], x["prompts"]) for x in r["rows"]], [(16, 2)])
+    one_a_step = functools.partial(scheduler.SchedulerConfig, max_prefill_rows=1)
+    with mock.patch.object(scheduler, "SchedulerConfig", one_a_step), \
+         self.assertRaisesRegex(RuntimeError, "2 prompt\\(s\\) of 16 tokens were not prefilled"):
+      mixed_step_bench.run(cfg, progress=lambda *_: None)
+    with self.assertRaisesRegex(ValueError, "prompts=0"):
+      mixed_step_bench.run(dataclasses.replace(cfg, prompts=0))
+
   def test_mixed_step_bench_onednn_variant_runs_packed_weights(self):
     # The optional "onednn" variant is the engine with matmul="onednn": its weights packed once
     # (its own engine only), its prompt's greedy token timed beside the XLA engine's.
