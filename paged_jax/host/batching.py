@@ -3,9 +3,11 @@
 Shapes are padded to buckets so each compiles once: rows and sample rows to powers of two
 (`next_pow2`; at least 8 decode rows, 4 prefill rows, and as many sample rows as rows), prefill
 tokens to `token_bucket` (powers of two from 16 up to 64, then four steps an octave up to 256
-and eight above, so a 144-token prompt pads to 160 and a 4,560-token prefill to 4,608, not 8,192), block-table width to a power of two of at least
-64 columns (`table_width`: attention work follows seq_lens, not the width, so a wide table costs
-only its int32s), the prefill chunks' max_q_len to a power of two >= 64. Every distinct shape is
+and eight above, so a 144-token prompt pads to 160 and a 4,560-token prefill to 4,608, not
+8,192), block-table width to a power of two of at least 64 columns (`table_width`: attention
+work follows seq_lens, not the width, so a wide table costs only its int32s), the prefill
+chunks' max_q_len to a power of two >= 64 (of the longest chunk; on the C++ CPU kernel, which
+ignores it, of the token bucket: `ProgramLimits.q_from_tokens`). Every distinct shape is
 a compile (~1-3 s on this CPU); the floors keep a varied workload to a couple of dozen programs. Layout of a mixed step (see `state.AttentionMetadata.num_decode`):
 decode rows first, one token each (padded to a power of two), then the prefill chunks' tokens.
 A padding decode row reads and writes slot 0 of NULL_PAGE; padding prefill rows are empty.
@@ -39,9 +41,10 @@ def token_bucket(n: int, minimum: int = 16) -> int:
   Why the middle octaves are split: a server's first token is one step that prefills a prompt,
   and that step costs by its padded tokens. ShareGPT-like prompts reach 132 tokens at the 90th
   percentile, which padded to 256 as powers of two. SmolLM2-135M f32 on 2 cores, one prompt
-  beside 4 decode rows: a 144-token prompt's step took 302 ms padded to 256 and 214 ms padded to
-  160 (`python -m experiments.mixed_step_bench --scan_layers --variants=onednn`; results page,
-  issue 30). The cost: six more token buckets, so more programs per decode bucket."""
+  beside 4 decode rows: a 144-token prompt's step took 294-299 ms padded to 256 and 194-200 ms
+  padded to 160 (`python -m experiments.mixed_step_bench --scan_layers --variants=onednn`;
+  results page, issue 30). The cost: six more token buckets, so more programs per decode
+  bucket."""
   p = next_pow2(n, minimum)
   if p <= 64:
     return p
