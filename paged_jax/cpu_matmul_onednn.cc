@@ -246,27 +246,43 @@ std::shared_ptr<const Product> PackedPrimitive(bool bf16, int64_t m, int64_t k, 
   return product;
 }
 
+// The rows a product of `valid` real rows computes: exactly `valid` up to 16, then `valid`
+// rounded up to a multiple of 8 (to 512), 16 (to 1,024) or 32, so that the primitives made for
+// the row counts a server meets stay ~130 (each new count JIT-compiles ~1-1.5 ms of oneDNN
+// kernel per shape on first use) while a prompt's step multiplies at most 7 rows it need not.
+int64_t ComputedRows(int64_t valid) {
+  if (valid <= 16) return valid;
+  const int64_t granule = valid <= 512 ? 8 : valid <= 1024 ? 16 : 32;
+  return (valid + granule - 1) / granule * granule;
+}
+
 // w is one packed weight (1-d) or a stack of them, one per layer ([layers, elements]), of which
 // the product reads layer `layer` (a scanned model's layer index: the stack is read in place,
-// where a slice of it would be copied before the call).
+// where a slice of it would be copied before the call). `valid` (a scalar; < 0: every row): the
+// rows of x that are real, the rest padding; rows of out at and past it are zero, and only
+// `ComputedRows(valid)` rows are multiplied.
 ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                        ffi::Buffer<ffi::S32> layer, int64_t n, int64_t min_columns_per_thread,
-                        int64_t min_rows_per_thread, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+                        ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> valid, int64_t n,
+                        int64_t min_columns_per_thread, int64_t min_rows_per_thread,
+                        ffi::Result<ffi::Buffer<ffi::F32>> out) {
   auto xd = x.dimensions(), od = out->dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || od.size() != 2 || (wd.size() != 1 && wd.size() != 2) ||
-      layer.element_count() != 1)
+      layer.element_count() != 1 || valid.element_count() != 1)
     return ffi::Error::InvalidArgument(
         "paged_jax oneDNN packed matmul: x and out must be 2-d, the packed w 1-d or [layers, "
-        "elements], layer a scalar");
+        "elements], layer and valid scalars");
   const int64_t layers = wd.size() == 2 ? wd[0] : 1;
   const int64_t index = layer.typed_data()[0];
   if (index < 0 || index >= layers)
     return ffi::Error::InvalidArgument("paged_jax oneDNN packed matmul: layer " +
                                        std::to_string(index) + " is not in [0, " +
                                        std::to_string(layers) + ")");
-  const int64_t m = xd[0], k = xd[1];
-  if (od[0] != m || od[1] != n)
+  const int64_t rows_in = xd[0], k = xd[1];
+  if (od[0] != rows_in || od[1] != n)
     return ffi::Error::InvalidArgument("paged_jax oneDNN packed matmul: out is not [m, n]");
+  int64_t real = valid.typed_data()[0];
+  if (real < 0 || real > rows_in) real = rows_in;
+  const int64_t m = std::min(rows_in, ComputedRows(real));   // the rows multiplied
   const auto type = x.element_type();
   if (w.element_type() != type || (type != ffi::DataType::F32 && type != ffi::DataType::BF16))
     return ffi::Error::InvalidArgument(
@@ -286,62 +302,69 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w
         std::to_string(n) + "] (" + std::to_string(layer_bytes) + " bytes a layer, want " +
         std::to_string(layout.bytes) + ")");
   float* o = out->typed_data();
-  if (m == 0 || n == 0) return ffi::Error::Success();
+  if (n == 0) return ffi::Error::Success();
+  std::fill(o + m * n, o + rows_in * n, 0.0f);   // the padding rows not multiplied
+  if (m == 0) return ffi::Error::Success();
   const char* xp = static_cast<const char*>(x.untyped_data());
   const char* wp = static_cast<const char*>(w.untyped_data()) + index * layer_bytes;
-  const int64_t pool_threads = std::max<int64_t>(1, pool.num_threads());
+  const ffi::Error done = [&]() -> ffi::Error {
+    const int64_t pool_threads = std::max<int64_t>(1, pool.num_threads());
 
-  if (min_rows_per_thread > 0 && m >= 2 * min_rows_per_thread && pool_threads > 1) {
-    // By rows: thread t takes rows [t * rows, (t + 1) * rows) of x and out, and all of w.
-    const int64_t threads = std::min(pool_threads, m / min_rows_per_thread);
-    const int64_t rows = (m + threads - 1) / threads;
+    if (min_rows_per_thread > 0 && m >= 2 * min_rows_per_thread && pool_threads > 1) {
+      // By rows: thread t takes rows [t * rows, (t + 1) * rows) of x and out, and all of w.
+      const int64_t threads = std::min(pool_threads, m / min_rows_per_thread);
+      const int64_t rows = (m + threads - 1) / threads;
+      std::shared_ptr<const Product> full, tail;
+      try {
+        full = PackedPrimitive(bf16, rows, k, n, layout.t);
+        if (m % rows) tail = PackedPrimitive(bf16, m % rows, k, n, layout.t);
+      } catch (const dnnl::error& e) {
+        return ffi::Error::Internal(std::string("paged_jax oneDNN packed matmul: ") + e.what());
+      }
+      const int64_t total = (m + rows - 1) / rows;
+      const bool ok = RunBlocks(pool, threads, total, [&](dnnl::stream& stream, int64_t i) {
+        const int64_t r0 = i * rows;
+        const Product& p = r0 + rows > m ? *tail : *full;
+        Execute(p, stream, xp + r0 * k * size, wp, o + r0 * n);
+      });
+      return ok ? ffi::Error::Success()
+                : ffi::Error::Internal("paged_jax oneDNN packed matmul: a block failed");
+    }
+
+    // By columns: blocks of whole packed column blocks, each into a dense scratch of [m, cols].
+    int64_t threads = 1;
+    if (min_columns_per_thread > 0)
+      threads = std::max<int64_t>(1, std::min(pool_threads, n / min_columns_per_thread));
+    const int64_t per = (n + threads - 1) / threads;
+    const int64_t cols = std::min(n, (per + layout.block - 1) / layout.block * layout.block);
+    const int64_t total = (n + cols - 1) / cols;
     std::shared_ptr<const Product> full, tail;
     try {
-      full = PackedPrimitive(bf16, rows, k, n, layout.t);
-      if (m % rows) tail = PackedPrimitive(bf16, m % rows, k, n, layout.t);
+      full = PackedPrimitive(bf16, m, k, cols, layout.t);
+      if (n % cols) tail = PackedPrimitive(bf16, m, k, n % cols, layout.t);
     } catch (const dnnl::error& e) {
       return ffi::Error::Internal(std::string("paged_jax oneDNN packed matmul: ") + e.what());
     }
-    const int64_t total = (m + rows - 1) / rows;
     const bool ok = RunBlocks(pool, threads, total, [&](dnnl::stream& stream, int64_t i) {
-      const int64_t r0 = i * rows;
-      const Product& p = r0 + rows > m ? *tail : *full;
-      Execute(p, stream, xp + r0 * k * size, wp, o + r0 * n);
+      const int64_t n0 = i * cols, width = std::min(cols, n - n0);
+      const Product& p = width < cols ? *tail : *full;
+      thread_local std::vector<float> scratch;
+      float* dst = o;   // one block: out itself is dense
+      if (total > 1) {
+        if (static_cast<int64_t>(scratch.size()) < m * width) scratch.resize(m * width);
+        dst = scratch.data();
+      }
+      Execute(p, stream, xp, wp + (n0 / layout.block) * layout.block_bytes, dst);
+      if (total > 1)
+        for (int64_t r = 0; r < m; ++r)
+          std::copy(dst + r * width, dst + (r + 1) * width, o + r * n + n0);
     });
     return ok ? ffi::Error::Success()
               : ffi::Error::Internal("paged_jax oneDNN packed matmul: a block failed");
-  }
-
-  // By columns: blocks of whole packed column blocks, each into a dense scratch of [m, cols].
-  int64_t threads = 1;
-  if (min_columns_per_thread > 0)
-    threads = std::max<int64_t>(1, std::min(pool_threads, n / min_columns_per_thread));
-  const int64_t per = (n + threads - 1) / threads;
-  const int64_t cols = std::min(n, (per + layout.block - 1) / layout.block * layout.block);
-  const int64_t total = (n + cols - 1) / cols;
-  std::shared_ptr<const Product> full, tail;
-  try {
-    full = PackedPrimitive(bf16, m, k, cols, layout.t);
-    if (n % cols) tail = PackedPrimitive(bf16, m, k, n % cols, layout.t);
-  } catch (const dnnl::error& e) {
-    return ffi::Error::Internal(std::string("paged_jax oneDNN packed matmul: ") + e.what());
-  }
-  const bool ok = RunBlocks(pool, threads, total, [&](dnnl::stream& stream, int64_t i) {
-    const int64_t n0 = i * cols, width = std::min(cols, n - n0);
-    const Product& p = width < cols ? *tail : *full;
-    thread_local std::vector<float> scratch;
-    float* dst = o;   // one block: out itself is dense
-    if (total > 1) {
-      if (static_cast<int64_t>(scratch.size()) < m * width) scratch.resize(m * width);
-      dst = scratch.data();
-    }
-    Execute(p, stream, xp, wp + (n0 / layout.block) * layout.block_bytes, dst);
-    if (total > 1)
-      for (int64_t r = 0; r < m; ++r)
-        std::copy(dst + r * width, dst + (r + 1) * width, o + r * n + n0);
-  });
-  return ok ? ffi::Error::Success()
-            : ffi::Error::Internal("paged_jax oneDNN packed matmul: a block failed");
+  }();
+  if (!done.failure() && real < m)
+    std::fill(o + real * n, o + m * n, 0.0f);   // the rows rounding computed past `real`
+  return done;
 }
 
 }  // namespace
@@ -415,6 +438,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedJaxOnednnPackedMatmul, PackedMatmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("n")
                                   .Attr<int64_t>("min_columns_per_thread")

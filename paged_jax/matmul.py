@@ -54,9 +54,11 @@ XLA, and `mkl_slow_reason()` names the maker for the engine's warning.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -398,8 +400,13 @@ def onednn_packed_impl(dtype, m: int, k: int, cols: int) -> str:
   return buf.value.decode()
 
 
-def onednn_packed_matmul(x, packed, n: int, layer=None):
+def onednn_packed_matmul(x, packed, n: int, layer=None, valid_rows=None):
   """f32[m, n] = x @ w, w given as `onednn_pack(w)` (`packed`, 1-d, x's dtype), at any row count.
+
+  `valid_rows` (an int or a traced i32 scalar; None: all m): x's rows from it on are padding.
+  Their rows of the result are zero and are not multiplied (the rows multiplied are rounded up
+  to a multiple of 8-32 past 16, so that oneDNN builds a kernel for few row counts: see
+  `ComputedRows` in `cpu_matmul_onednn.cc`); the rows before it are the same as without it.
 
   Or `packed` is a stack of packed weights, one per layer ([layers, elements], as
   `model.pack_for_onednn` stacks a scanned model's kernels) and `layer` (an int or a traced i32
@@ -427,10 +434,14 @@ def onednn_packed_matmul(x, packed, n: int, layer=None):
   if want is None or got != want:
     raise ValueError(f"packed has {got} bytes a layer; oneDNN's packed {x.dtype} "
                      f"[{x.shape[1]}, {n}] has {want}")
+  if isinstance(valid_rows, (int, np.integer)) and valid_rows < 0:
+    raise ValueError(f"onednn_packed_matmul: valid_rows={valid_rows} is negative")
   index = jnp.asarray(0 if layer is None else layer, jnp.int32)
+  valid = jnp.asarray(-1 if valid_rows is None else valid_rows, jnp.int32)
   return jax.ffi.ffi_call(ONEDNN_PACKED_TARGET,
                           jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(
-      x, packed, index, n=np.int64(n), min_columns_per_thread=np.int64(MIN_COLUMNS_PER_THREAD),
+      x, packed, index, valid, n=np.int64(n),
+      min_columns_per_thread=np.int64(MIN_COLUMNS_PER_THREAD),
       min_rows_per_thread=np.int64(MIN_ROWS_PER_THREAD))
 
 
@@ -457,20 +468,68 @@ def packed_row_on_xla(x, packed, n: int):
   return out.reshape(1, blocks * cols)[:, :n]
 
 
+# The step's real tokens, while a step is traced (`padding_rows`): (token rows, i32 count).
+_PADDING = threading.local()
+
+
+@contextlib.contextmanager
+def padding_rows(rows: int, valid):
+  """While tracing inside it, a packed product (`onednn_packed_dot`) of x with `rows` rows
+  multiplies only the first `valid` (an i32 scalar, traced) and gives zeros for the rest: a
+  step's token axis is padded to its bucket (`batching.token_bucket`), and its padding tokens
+  need no products (`model.apply` opens it around the decoder with the step's real token
+  count). Products of other row counts (the LM head's selected rows) are untouched; XLA's dots
+  always multiply every row."""
+  saved = getattr(_PADDING, "value", None)
+  _PADDING.value = (int(rows), valid)
+  try:
+    yield
+  finally:
+    _PADDING.value = saved
+
+
+@contextlib.contextmanager
+def padding_slice(rows: int, start: int, stop: int):
+  """Inside `padding_rows(rows, valid)`, around products of x[start:stop] (a chunk of the token
+  rows): those see `padding_rows(stop - start, clip(valid - start, 0, stop - start))`.
+  Elsewhere it changes nothing."""
+  saved = getattr(_PADDING, "value", None)
+  if saved is not None and saved[0] == rows:
+    _PADDING.value = (stop - start, jnp.clip(saved[1] - start, 0, stop - start))
+  try:
+    yield
+  finally:
+    _PADDING.value = saved
+
+
+@contextlib.contextmanager
+def every_row():
+  """Inside it, `padding_rows` does not apply (products of selected rows)."""
+  saved = getattr(_PADDING, "value", None)
+  _PADDING.value = None
+  try:
+    yield
+  finally:
+    _PADDING.value = saved
+
+
 def onednn_packed_dot(x, packed, n: int, layer=None):
   """x [..., k] @ w -> [..., n] in x's dtype (accumulated in f32, cast once), w packed by
   `onednn_pack` (or layer `layer` of a stack of them, as `onednn_packed_matmul`): what a packed
   projection (`model.Dense`) and a packed tied head run. One f32 row by a single packed weight
-  of at most PACKED_ROW_ON_XLA_MAX_COLUMNS columns runs `packed_row_on_xla` (PACKED_ROW_ON_XLA)."""
+  of at most PACKED_ROW_ON_XLA_MAX_COLUMNS columns runs `packed_row_on_xla` (PACKED_ROW_ON_XLA).
+  Inside `padding_rows(rows, valid)`, an x of `rows` rows multiplies its first `valid` only."""
   rows = int(np.prod(x.shape[:-1]))
   x2 = x.reshape(rows, x.shape[-1])
+  padding = getattr(_PADDING, "value", None)
+  valid_rows = padding[1] if padding is not None and padding[0] == rows and rows > 1 else None
   if (PACKED_ROW_ON_XLA and rows == 1 and layer is None and packed.ndim == 1
       and n <= PACKED_ROW_ON_XLA_MAX_COLUMNS
       and packed_column_blocks(x.dtype, x.shape[-1], n) is not None
       and packed.size * packed.dtype.itemsize == onednn_packed_bytes(x.dtype, x.shape[-1], n)):
     out = packed_row_on_xla(x2, packed, n)
   else:
-    out = onednn_packed_matmul(x2, packed, n, layer)
+    out = onednn_packed_matmul(x2, packed, n, layer, valid_rows)
   return out.astype(x.dtype).reshape(*x.shape[:-1], n)
 
 

@@ -17,6 +17,7 @@ reference the paged path is tested against. Both see the same ragged token layou
 from __future__ import annotations
 
 import collections.abc
+import contextlib
 
 import flax.linen as nn
 import flax.struct
@@ -239,7 +240,8 @@ class Attention(nn.Module):
       q = q if select is None else q[select]
     else:
       xq = x if select is None else x[select]
-      q = _dense(nq, "q_proj", dt, cfg.attention_bias, cfg.matmul)(xq)
+      with _selected_rows(select):
+        q = _dense(nq, "q_proj", dt, cfg.attention_bias, cfg.matmul)(xq)
       k = _dense(nkv, "k_proj", dt, cfg.attention_bias, cfg.matmul)(x)
       v = _dense(nkv, "v_proj", dt, cfg.attention_bias, cfg.matmul)(x)
     q = q.reshape(q.shape[0], cfg.num_q_heads, cfg.head_dim)
@@ -253,9 +255,16 @@ class Attention(nn.Module):
     o, kv = kv.attend(self.layer if kv_layer is None else kv_layer, q, k, v,
                       sliding_window=cfg.layer_window(self.layer),
                       scale=cfg.query_scale, soft_cap=cfg.attn_soft_cap, select=select)
-    o = _dense(cfg.hidden_size, "o_proj", dt, backend=cfg.matmul)(
-        o.reshape(q.shape[0], -1).astype(dt))
+    with _selected_rows(select):
+      o = _dense(cfg.hidden_size, "o_proj", dt, backend=cfg.matmul)(
+          o.reshape(q.shape[0], -1).astype(dt))
     return o, kv
+
+
+def _selected_rows(select):
+  """Around a product of the selected tokens' rows (`select`): no `matmul.padding_rows` there
+  (its count is of the step's token rows)."""
+  return contextlib.nullcontext() if select is None else matmul.every_row()
 
 
 # The MLP runs a long step's tokens in chunks of at most this many rows: on a CPU a 4,560-token
@@ -299,7 +308,11 @@ class MLP(nn.Module):
     chunks = token_chunks(x.shape[0], MLP_CHUNK_TOKENS)
     if len(chunks) == 1:
       return block(x)
-    return jnp.concatenate([block(x[s:e]) for s, e in chunks], axis=0)
+    out = []
+    for s, e in chunks:
+      with matmul.padding_slice(x.shape[0], s, e):
+        out.append(block(x[s:e]))
+    return jnp.concatenate(out, axis=0)
 
 
 def activation(name: str, x):
@@ -364,7 +377,8 @@ def _layer(cfg: ModelConfig, layer: int, part, x, kv, rope, select=None, kv_laye
   # Llama calls the MLP's input norm post_attention_layernorm; Gemma, pre_feedforward.
   h = part("pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm",
            norm, cfg)(x)
-  h = part("mlp", MLP, cfg)(h)
+  with _selected_rows(select):
+    h = part("mlp", MLP, cfg)(h)
   if cfg.sandwich_norms:
     h = part("post_feedforward_layernorm", norm, cfg)(h)
   return x + h, kv
@@ -636,12 +650,24 @@ def scanned_forward(params, cfg: ModelConfig, tokens, positions, kv, logits_indi
   return _decode(cfg, bound(params), tokens, positions, kv, logits_indices, run_layers)
 
 
+# Packed products (`pack_for_onednn`) skip a step's padding token rows (`apply`). A bucket pads a
+# prompt's tokens by up to a quarter (`batching.token_bucket`), and on the packed path products
+# are most of a prompt's step. Off: every row is multiplied (the reference in tests).
+PACKED_SKIPS_PADDING = True
+
+
 def apply(params, cfg: ModelConfig, tokens, positions, kv, logits_indices=None):
   """The model on either layout: per-layer params through `Decoder`, stacked ones through
-  `scanned_forward`."""
-  if is_stacked(params):
-    return scanned_forward(params, cfg, tokens, positions, kv, logits_indices)
-  return Decoder(cfg).apply({"params": params}, tokens, positions, kv, logits_indices)
+  `scanned_forward`. With packed params (`pack_for_onednn`) the token rows past the step's real
+  ones (`cu_q_lens[-1]`: the bucket's padding) are not multiplied (`matmul.padding_rows`); their
+  outputs are no one's (their K/V go to the null page, no logits row reads them)."""
+  rows = (matmul.padding_rows(tokens.shape[0], kv.md.cu_q_lens[-1])
+          if PACKED_SKIPS_PADDING and isinstance(kv, PagedKV) and is_packed(params)
+          else contextlib.nullcontext())
+  with rows:
+    if is_stacked(params):
+      return scanned_forward(params, cfg, tokens, positions, kv, logits_indices)
+    return Decoder(cfg).apply({"params": params}, tokens, positions, kv, logits_indices)
 
 
 def computed_once(fn, *args):

@@ -406,6 +406,48 @@ class OnednnPackedTest(parameterized.TestCase):
       traced = jax.jit(lambda x, s, i: matmul.onednn_packed_matmul(x, s, 80, layer=i))
       chex.assert_trees_all_equal(traced(x, stack, jnp.int32(i)), want)
 
+  @parameterized.product(dtype=(jnp.float32, jnp.bfloat16),
+                         rows_valid=((64, 52), (64, 17), (64, 0), (64, 99), (160, 148), (4, 3)))
+  def test_valid_rows_multiplies_the_real_rows_and_zeros_the_rest(self, dtype, rows_valid):
+    # 52 and 148 round up to 56 and 152 rows multiplied (the zeros past 52 are written after).
+    m, valid = rows_valid
+    x, w = _operands(m, 96, 200, dtype, seed=m + valid)
+    stack = jnp.stack([matmul.onednn_pack(w * 2), matmul.onednn_pack(w)])
+    want = np.asarray(matmul.onednn_packed_matmul(x, matmul.onednn_pack(w), 200))
+    run = jax.jit(lambda x, s, v: matmul.onednn_packed_matmul(x, s, 200, layer=1, valid_rows=v))
+    got = np.asarray(run(x, stack, jnp.int32(valid)))
+    real = min(valid, m)
+    np.testing.assert_array_equal(got[:real], want[:real])
+    np.testing.assert_array_equal(got[real:], np.zeros_like(got[real:]))
+    with self.assertRaisesRegex(ValueError, "valid_rows=-2 is negative"):
+      matmul.onednn_packed_matmul(x, matmul.onednn_pack(w), 200, valid_rows=-2)
+
+  @parameterized.parameters(False, True)
+  def test_an_engine_s_packed_products_skip_the_bucket_s_padding(self, scan_layers):
+    # A 9-token prompt step pads to 16 token rows: its products get the real count, and every
+    # logprob is the same as with every row multiplied (rows are independent).
+    cfg = config.tiny_config(matmul="onednn")
+    params = testing.random_params(cfg, seed=6)
+    sp = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=0)
+    prompts = [[3, 4, 5], [9, 8, 7, 6, 5, 4]]
+    outs = {}
+    for skip in (False, True):
+      jax.clear_caches()   # the steps are module-level jits: trace them again under the switch
+      with mock.patch.object(model, "PACKED_SKIPS_PADDING", skip), \
+           mock.patch.object(matmul, "onednn_packed_matmul",
+                             wraps=matmul.onednn_packed_matmul) as call:
+        e = engine.Engine(params, cfg, cache=CacheConfig(page_size=4, num_pages=40),
+                          scan_layers=scan_layers)
+        got = e.generate(prompts, sp)
+      outs[skip] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in got]
+      counted = [c for c in call.call_args_list if len(c.args) > 4 and c.args[4] is not None]
+      if skip:
+        # the prompt step's [16, k] products, given their real count
+        self.assertIn(16, {c.args[0].shape[0] for c in counted})
+      else:
+        self.assertEmpty(counted)
+    self.assertEqual(outs[True], outs[False])
+
   def test_a_scanned_model_reads_its_packed_stacks_in_place(self):
     """Every packed product inside the scan's body takes the whole stack and the layer index: a
     sliced operand would be a copy of the layer's weights before each call (the old body)."""
@@ -418,9 +460,9 @@ class OnednnPackedTest(parameterized.TestCase):
              if f'custom_call_target="{matmul.ONEDNN_PACKED_TARGET}"' in line]
     in_body = [c for c in calls if "/while/body/" in c]
     self.assertLen(in_body, 7, "\n".join(calls))   # a layer's 7 projections, once
-    for call in in_body:   # x, then the weight: the [reps, elements] stack itself
+    for call in in_body:   # x, the weight (the [reps, elements] stack itself), layer, rows
       self.assertRegex(call, r"operand_layout_constraints=\{f32\[[\d,]+\]\{1,0\}, "
-                             r"f32\[\d+,\d+\]\{1,0\}, s32\[\]\}")
+                             r"f32\[\d+,\d+\]\{1,0\}, s32\[\], s32\[\]\}")
     unrolled = testing.random_params(cfg, seed=4)
     np.testing.assert_allclose(
         testing.dense_logits(params, cfg, tokens),
