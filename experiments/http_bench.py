@@ -36,8 +36,12 @@ HTTP path's share (with --disconnect the server's means include the aborted requ
 For our server the run then reads /metrics after each rate and reports what it still holds (KV
 pages in use, swap copies, open and queued requests, asyncio tasks above the idle server's),
 which must all be 0. Loopback only; bounded by --num_requests and --timeout.
+With vLLM among the servers, each other server's p90 TTFT and TPOT over vLLM's at each rate
+are printed with a 95% bootstrap interval (`p90_ratio`: the p90 of a few dozen requests moves
+by tens of ms between runs; an interval that holds 1 is a tie at this size).
 Results: stdout and experiments/results/http_bench.jsonl (one row per server and rate; each
-with the paper's normalized latency, end to end over output tokens, averaged), and with more
+with the paper's normalized latency, end to end over output tokens, averaged, and every
+request's TTFT and TPOT, `ttft_all_s` / `tpot_all_s`), and with more
 than one rate experiments/results/http_bench.png (TTFT, TPOT and tokens/s against the rate).
 """
 
@@ -169,6 +173,54 @@ def _pct(values) -> dict:
   return {"p50": float(p[0]), "p90": float(p[1]), "p99": float(p[2])}
 
 
+# The bootstrap's draws and level: the p90 of 32-64 requests is their 4th-7th largest, so one run
+# of a rate moves it by tens of ms; its interval says how far.
+BOOTSTRAP_DRAWS = 4000
+BOOTSTRAP_LEVEL = 0.95
+
+
+def p90_ratio(ours, theirs, seed: int = 0) -> dict | None:
+  """p90(ours) / p90(theirs) of two samples (per-request values; None entries dropped), and
+  its BOOTSTRAP_LEVEL percentile-bootstrap interval (each sample resampled with replacement,
+  independently: two runs of a rate draw the same requests but not the same timings).
+  None when either sample is empty."""
+  a = np.asarray([v for v in ours if v is not None], float)
+  b = np.asarray([v for v in theirs if v is not None], float)
+  if not len(a) or not len(b):
+    return None
+  rng = np.random.default_rng(seed)
+  ra = np.percentile(a[rng.integers(0, len(a), (BOOTSTRAP_DRAWS, len(a)))], 90, axis=1)
+  rb = np.percentile(b[rng.integers(0, len(b), (BOOTSTRAP_DRAWS, len(b)))], 90, axis=1)
+  tail = 100 * (1 - BOOTSTRAP_LEVEL) / 2
+  lo, hi = np.percentile(ra / rb, [tail, 100 - tail])
+  return {"ratio": float(np.percentile(a, 90) / np.percentile(b, 90)), "low": float(lo),
+          "high": float(hi)}
+
+
+def compare(rows: list[dict], against: str = "vllm") -> list[str]:
+  """For each row of another server, its p90 TTFT and TPOT over `against`'s at the same rate
+  (the first such row), with `p90_ratio`'s interval: lines to print; rows without per-request
+  values (written before they were kept) are left out."""
+  base = {}
+  for r in rows:
+    if r["server"] == against and "ttft_all_s" in r:
+      base.setdefault(r["rate"], r)
+  lines = []
+  for r in rows:
+    other = base.get(r["rate"])
+    if r["server"] == against or other is None or "ttft_all_s" not in r:
+      continue
+    parts = []
+    for key in ("ttft", "tpot"):
+      q = p90_ratio(r[key + "_all_s"], other[key + "_all_s"])
+      if q is not None:
+        parts.append(f"p90 {key.upper()} {q['ratio']:.2f}x ({100 * BOOTSTRAP_LEVEL:.0f}% "
+                     f"interval {q['low']:.2f}-{q['high']:.2f})")
+    if parts:
+      lines.append(f"{r['server']} over {against} at {r['rate']:g}/s: " + ", ".join(parts))
+  return lines
+
+
 async def at_rate(url: str, model: str, reqs: list[dict], rate: float, seed: int,
                   timeout: float, keep_texts: bool = False) -> dict:
   """Sends `reqs` as a Poisson process at `rate` per second; the summary of their results."""
@@ -197,6 +249,9 @@ async def at_rate(url: str, model: str, reqs: list[dict], rate: float, seed: int
           "ttft_s": _pct(r["ttft"] for r in done), "tpot_s": _pct(r["tpot"] for r in done),
           "ttft_mean_s": float(np.mean([r["ttft"] for r in done])) if done else None,
           "e2e_s": _pct(r["e2e"] for r in done),
+          # per request, in the workload's order (None: not completed / one token), for intervals
+          "ttft_all_s": [r["ttft"] if "e2e" in r else None for r in results],
+          "tpot_all_s": [r["tpot"] if "e2e" in r else None for r in results],
           **({"texts": [r.get("text") if "e2e" in r else None for r in results]}
              if keep_texts else {})}
 
@@ -450,6 +505,8 @@ def run(cfg: HttpBenchConfig, progress=print) -> list[dict]:
                           (lambda: server.output) if ours else None)
       finally:
         server.stop()
+  for line in compare(rows):
+    progress(line)
   if cfg.results_dir:
     os.makedirs(cfg.results_dir, exist_ok=True)
     with open(os.path.join(cfg.results_dir, "http_bench.jsonl"), "a") as f:

@@ -9,6 +9,7 @@ import tempfile
 from unittest import mock
 
 from absl.testing import absltest
+import numpy as np
 import pytest
 
 from experiments import http_bench
@@ -55,8 +56,45 @@ class HttpBenchTest(absltest.TestCase):
       self.assertAlmostEqual(row["queue_mean_s"] + row["prefill_mean_s"],
                              row["server_ttft_mean_s"], places=6)
       self.assertGreater(row["ttft_mean_s"], 0.0)
+      # every request's TTFT kept, in order (None for the clients that left)
+      self.assertLen(row["ttft_all_s"], 8)
+      self.assertEqual(sum(t is not None for t in row["ttft_all_s"]), 8 - left)
       for entry in row["on_demand_log"]:
         self.assertRegex(entry, r"^\('(step|round|link)', .*\) compiled on demand in [0-9.]+ s$")
+
+  def test_p90_ratio_s_interval_holds_a_tie_and_excludes_a_clear_difference(self):
+    rng = np.random.default_rng(0)
+    a = list(rng.lognormal(np.log(0.15), 0.5, 64))
+    b = list(rng.lognormal(np.log(0.15), 0.5, 64))   # the same distribution, another draw
+    tie = http_bench.p90_ratio(a, b + [None])
+    self.assertAlmostEqual(tie["ratio"], np.percentile(a, 90) / np.percentile(b, 90))
+    self.assertLess(tie["low"], 1.0)
+    self.assertGreater(tie["high"], 1.0)
+    self.assertLess(tie["low"], tie["ratio"])
+    self.assertLess(tie["ratio"], tie["high"])
+    slow = http_bench.p90_ratio([2 * x for x in a], b)   # twice as slow
+    self.assertGreater(slow["low"], 1.2)
+    self.assertIsNone(http_bench.p90_ratio([None], b))
+    # Over many pairs of draws from one distribution, the 95% interval holds 1 in most.
+    held = 0
+    for i in range(40):
+      x, y = rng.lognormal(0, 0.5, 64), rng.lognormal(0, 0.5, 64)
+      q = http_bench.p90_ratio(x, y, seed=i)
+      held += q["low"] <= 1.0 <= q["high"]
+    self.assertGreaterEqual(held, 34)
+
+  def test_compare_prints_each_server_against_vllm_at_its_rate(self):
+    def row(server, rate, scale):
+      return {"server": server, "rate": rate, "ttft_all_s": [scale * (1 + i % 10) for i in
+                                                              range(40)],
+              "tpot_all_s": [0.04] * 40}
+    rows = [row("paged_jax", 0.5, 1.0), row("vllm", 0.5, 1.0), row("vllm", 1.0, 1.0),
+            row("paged_jax", 1.0, 3.0), {"server": "paged_jax", "rate": 2.0}]
+    lines = http_bench.compare(rows)
+    self.assertLen(lines, 2)   # no vLLM row at 2/s, and that row has no per-request values
+    self.assertRegex(lines[0], r"^paged_jax over vllm at 0.5/s: p90 TTFT 1.00x \(95% interval "
+                               r"0\.\d\d-1\.\d\d\), p90 TPOT 1.00x")
+    self.assertIn("at 1/s: p90 TTFT 3.00x", lines[1])
 
   def test_each_of_our_server_names_launches_our_server_with_its_flags(self):
     # paged_jax_scan / _stoppable are our server with --nostoppable_rounds / --stoppable_rounds
