@@ -422,10 +422,13 @@ class OnednnPackedTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "valid_rows=-2 is negative"):
       matmul.onednn_packed_matmul(x, matmul.onednn_pack(w), 200, valid_rows=-2)
 
-  @parameterized.parameters(False, True)
-  def test_an_engine_s_packed_products_skip_the_bucket_s_padding(self, scan_layers):
+  @parameterized.parameters((False, None), (True, None), (False, 8))
+  def test_an_engine_s_packed_products_skip_the_bucket_s_padding(self, scan_layers, mlp_chunk):
     # A 9-token prompt step pads to 16 token rows: its products get the real count, and every
-    # logprob is the same as with every row multiplied (rows are independent).
+    # logprob is the same as with every row multiplied (rows are independent). With MLP chunks
+    # of 8 rows, each chunk's products get their share (`matmul.padding_slice`).
+    if mlp_chunk:
+      self.enter_context(mock.patch.object(model, "MLP_CHUNK_TOKENS", mlp_chunk))
     cfg = config.tiny_config(matmul="onednn")
     params = testing.random_params(cfg, seed=6)
     sp = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=0)
@@ -442,8 +445,10 @@ class OnednnPackedTest(parameterized.TestCase):
       outs[skip] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in got]
       counted = [c for c in call.call_args_list if len(c.args) > 4 and c.args[4] is not None]
       if skip:
-        # the prompt step's [16, k] products, given their real count
+        # the prompt step's [16, k] products (and [8, k] chunks), given their real count
         self.assertIn(16, {c.args[0].shape[0] for c in counted})
+        if mlp_chunk:
+          self.assertIn(mlp_chunk, {c.args[0].shape[0] for c in counted})
       else:
         self.assertEmpty(counted)
     self.assertEqual(outs[True], outs[False])
@@ -563,6 +568,29 @@ class OnednnPackedTest(parameterized.TestCase):
     want = testing.dense_logits(params, config.tiny_config(tie_embeddings=False,
                                                            attention_bias=True), tokens)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+class PaddingRowsTest(absltest.TestCase):
+  """`matmul.padding_rows` and its helpers: the count each product of a traced step sees."""
+
+  def test_slices_rebase_the_count_and_other_row_counts_see_none(self):
+    value = lambda: matmul._PADDING.__dict__.get("value")   # noqa: E731
+    self.assertIsNone(value())
+    with matmul.padding_slice(16, 0, 8):   # outside padding_rows: nothing to rebase
+      self.assertIsNone(value())
+    with matmul.padding_rows(16, jnp.int32(9)):
+      self.assertEqual((value()[0], int(value()[1])), (16, 9))
+      for (start, stop), want in (((0, 8), 8), ((8, 16), 1), ((4, 12), 5), ((10, 16), 0)):
+        with matmul.padding_slice(16, start, stop):
+          self.assertEqual((value()[0], int(value()[1])), (stop - start, want))
+      with matmul.padding_slice(32, 0, 8):   # a chunk of some other rows: unchanged
+        self.assertEqual(value()[0], 16)
+      with matmul.every_row():
+        self.assertIsNone(value())
+        with matmul.padding_slice(16, 0, 8):
+          self.assertIsNone(value())
+      self.assertEqual(value()[0], 16)
+    self.assertIsNone(value())
 
 
 class LibraryRefusalTest(parameterized.TestCase):
