@@ -37,8 +37,9 @@ where MKL runs its generic code). Two routes, both in `cpu_matmul_onednn.cc`:
   model's packed kernels stay stacked ([reps, bytes]) and each product is given the layer
   index, so the scan's body reads the stack in place instead of copying a slice per call.
   Each product is also given the step's real token count (`padding_rows`, opened by
-  `model.apply`): the token rows a bucket pads with are not multiplied (a 48-token prompt's
-  step beside 4 decode rows pads 52 tokens to 64: 94 -> 83 ms on SmolLM2, results page).
+  `model.apply`): the token rows a bucket pads with are not multiplied (a 48-token prompt
+  beside 8 decode rows pads 56 token rows to 64: that step 94 -> 83 ms on SmolLM2, results
+  page).
 - **Plain weights** (`onednn_dot_general`: weights the packing left, and models applied without
   an engine): one matmul primitive per shape and column block on strided views of the weights,
   for products of ONEDNN_MIN_ROWS rows or more by a [k, n] kernel, where it was measured
