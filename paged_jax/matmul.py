@@ -477,6 +477,16 @@ _PADDING = threading.local()
 
 
 @contextlib.contextmanager
+def _padding(value):
+  """`_PADDING.value` = value inside, restored after."""
+  saved = getattr(_PADDING, "value", None)
+  _PADDING.value = value
+  try:
+    yield
+  finally:
+    _PADDING.value = saved
+
+
 def padding_rows(rows: int, valid):
   """While tracing inside it, a packed product (`onednn_packed_dot`) of x with `rows` rows
   multiplies only the first `valid` (an i32 scalar, traced) and gives zeros for the rest: a
@@ -484,37 +494,22 @@ def padding_rows(rows: int, valid):
   need no products (`model.apply` opens it around the decoder with the step's real token
   count). Products of other row counts (the LM head's selected rows) are untouched; XLA's dots
   always multiply every row."""
-  saved = getattr(_PADDING, "value", None)
-  _PADDING.value = (int(rows), valid)
-  try:
-    yield
-  finally:
-    _PADDING.value = saved
+  return _padding((int(rows), valid))
 
 
-@contextlib.contextmanager
 def padding_slice(rows: int, start: int, stop: int):
   """Inside `padding_rows(rows, valid)`, around products of x[start:stop] (a chunk of the token
   rows): those see `padding_rows(stop - start, clip(valid - start, 0, stop - start))`.
   Elsewhere it changes nothing."""
   saved = getattr(_PADDING, "value", None)
-  if saved is not None and saved[0] == rows:
-    _PADDING.value = (stop - start, jnp.clip(saved[1] - start, 0, stop - start))
-  try:
-    yield
-  finally:
-    _PADDING.value = saved
+  if saved is None or saved[0] != rows:
+    return _padding(saved)
+  return _padding((stop - start, jnp.clip(saved[1] - start, 0, stop - start)))
 
 
-@contextlib.contextmanager
 def every_row():
   """Inside it, `padding_rows` does not apply (products of selected rows)."""
-  saved = getattr(_PADDING, "value", None)
-  _PADDING.value = None
-  try:
-    yield
-  finally:
-    _PADDING.value = saved
+  return _padding(None)
 
 
 def onednn_packed_dot(x, packed, n: int, layer=None):
